@@ -1,0 +1,5 @@
+import sys
+
+from lmcompact.cli import main
+
+sys.exit(main())

@@ -1,0 +1,12 @@
+"""Attention scores from an observation window and reference attention over ragged KV."""
+
+from lmcompact.attention.reference import dense_attention, ragged_attention
+from lmcompact.attention.scores import cumulative_scores, window_scores, window_scores_naive
+
+__all__ = [
+    "cumulative_scores",
+    "dense_attention",
+    "ragged_attention",
+    "window_scores",
+    "window_scores_naive",
+]

@@ -1,0 +1,161 @@
+"""Attention scores from an observation window, in O(W x T) memory.
+
+The last ``W`` queries of a prompt are scored against all ``T`` keys; the
+softmax-normalized attention mass each key receives is what SnapKV, PyramidKV,
+Ada-KV and H2O rank tokens by. Keys are visited in chunks twice (first the
+row-wise log-sum-exp, then the normalized mass), so no ``T x T`` (or even
+``W x T``) score matrix is materialized::
+
+    queries (B, Hq, W, D) ──┐ pass 1: lse[w] = logsumexp_j s[w, j]   (chunk by chunk)
+    keys    (B, Hkv, T, D) ─┴ pass 2: mass[j] += exp(s[w, j] - lse[w]) (chunk by chunk)
+
+Query heads of a GQA group are averaged, window queries summed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _check_shapes(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int, int]:
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(
+            f"queries must be (batch, q_heads, W, head_dim) and keys (batch, kv_heads, T, "
+            f"head_dim); got {tuple(queries.shape)} and {tuple(keys.shape)}"
+        )
+    b, hq, _, d = queries.shape
+    bk, hkv, _, dk = keys.shape
+    if b != bk or d != dk:
+        raise ValueError(
+            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} differ in batch or "
+            "head_dim"
+        )
+    if hq % hkv:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv}) for GQA")
+    return hkv, hq // hkv
+
+
+def _default_positions(w: int, t: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(t - w, t, device=device)
+
+
+def window_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 4096,
+    return_attention: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention mass per key from the window queries, GQA-aware, chunked over keys.
+
+    Args:
+        queries: ``(B, Hq, W, D)`` post-RoPE window queries.
+        keys: ``(B, Hkv, T, D)`` post-RoPE keys.
+        query_positions: ``(W,)`` positions of the queries (default: the last W);
+            key ``j`` is visible to query ``w`` when ``j <= query_positions[w]``.
+        scale: Softmax scale (default ``1 / sqrt(D)``).
+        chunk_size: Keys per chunk; peak extra memory is ``B * Hq * W * chunk_size``.
+        return_attention: Also return the per-query rows ``(B, Hkv, W, T)``
+            (GQA-averaged; this output is itself O(W x T)).
+
+    Returns:
+        ``(B, Hkv, T)`` float32 mass summed over window queries and averaged over
+        the query heads of each KV group, and the optional per-query rows.
+    """
+    hkv, group = _check_shapes(queries, keys)
+    b, hq, w, d = queries.shape
+    t = keys.shape[2]
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if query_positions is None:
+        query_positions = _default_positions(w, t, queries.device)
+    q = queries.float().reshape(b, hkv, group, w, d) * scale
+    q_pos = query_positions.to(queries.device).view(1, 1, 1, w, 1)
+
+    def chunk_logits(start: int) -> torch.Tensor:
+        k = keys[:, :, start : start + chunk_size].float()
+        logits = torch.einsum("bhgwd,bhtd->bhgwt", q, k)
+        k_pos = torch.arange(start, start + k.shape[2], device=queries.device)
+        return logits.masked_fill(k_pos.view(1, 1, 1, 1, -1) > q_pos, float("-inf"))
+
+    lse = torch.full((b, hkv, group, w, 1), float("-inf"), device=queries.device)
+    for start in range(0, t, chunk_size):
+        lse = torch.logaddexp(lse, torch.logsumexp(chunk_logits(start), dim=-1, keepdim=True))
+    lse = lse.masked_fill(torch.isinf(lse), 0.0)  # queries that see nothing contribute 0
+
+    mass = torch.empty(b, hkv, t, device=queries.device)
+    attention = torch.empty(b, hkv, w, t, device=queries.device) if return_attention else None
+    for start in range(0, t, chunk_size):
+        probs = torch.exp(chunk_logits(start) - lse)
+        end = start + probs.shape[-1]
+        mass[:, :, start:end] = probs.sum(dim=3).mean(dim=2)
+        if attention is not None:
+            attention[:, :, :, start:end] = probs.mean(dim=2)
+    return mass, attention
+
+
+def window_scores_naive(
+    queries: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None
+) -> torch.Tensor:
+    """The eager way: full ``(T x T)`` causal attention for all queries, last W rows kept.
+
+    This is what ``output_attentions=True`` with eager attention costs; it
+    exists as the baseline of ``lmcompact bench scores`` and as a test oracle.
+
+    Args:
+        queries: ``(B, Hq, T, D)`` all queries of the prompt.
+        keys: ``(B, Hkv, T, D)``.
+
+    Returns:
+        ``(B, Hkv, T)`` mass of the last ``W = T`` rows summed (callers slice
+        queries first when they want a shorter window).
+    """
+    hkv, group = _check_shapes(queries, keys)
+    b, hq, tq, d = queries.shape
+    t = keys.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k = keys.float().repeat_interleave(group, dim=1)
+    logits = torch.matmul(queries.float(), k.transpose(-1, -2)) * scale
+    q_pos = torch.arange(t - tq, t, device=queries.device).view(-1, 1)
+    logits = logits.masked_fill(torch.arange(t, device=queries.device) > q_pos, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.sum(dim=2).view(b, hkv, group, t).mean(dim=2)
+
+
+def cumulative_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    scale: float | None = None,
+    query_chunk: int = 256,
+    key_chunk: int = 4096,
+) -> torch.Tensor:
+    """H2O's accumulated attention: mass per key summed over *every* prompt query.
+
+    Processes queries in blocks of ``query_chunk`` through :func:`window_scores`,
+    so memory stays ``O(query_chunk x key_chunk)``.
+
+    Args:
+        queries: ``(B, Hq, T, D)``; keys: ``(B, Hkv, T, D)``.
+
+    Returns:
+        ``(B, Hkv, T)`` float32.
+    """
+    _check_shapes(queries, keys)
+    t = keys.shape[2]
+    tq = queries.shape[2]
+    total = torch.zeros(keys.shape[0], keys.shape[1], t, device=queries.device)
+    for start in range(0, tq, query_chunk):
+        block = queries[:, :, start : start + query_chunk]
+        positions = torch.arange(t - tq + start, t - tq + start + block.shape[2],
+                                 device=queries.device)
+        mass, _ = window_scores(
+            block, keys, query_positions=positions, scale=scale, chunk_size=key_chunk
+        )
+        total += mass
+    return total
