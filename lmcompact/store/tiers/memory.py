@@ -1,0 +1,239 @@
+"""In-memory tiers (device or host), with byte capacity, pluggable eviction and pinning.
+
+Each entry lives in one uint8 buffer in the packed layout ``positions | keys | values``
+(see :mod:`lmcompact.store.chunk`). Buffers of evicted entries are recycled for puts of
+the same size, which is most puts (chunks of one model and budget share a size), so a put
+is one copy into warm memory rather than a fresh allocation. A buffer is recycled only
+when nothing outside the tier still views it (a caller holding a chunk from ``get``);
+otherwise it is dropped and freed when that caller lets go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from lmcompact.store.chunk import CompactedChunk
+from lmcompact.store.eviction import EvictionPolicy, PinTable, make_eviction_policy
+from lmcompact.store.keys import ChunkKey
+from lmcompact.store.tiers.base import StorageTier
+
+logger = logging.getLogger(__name__)
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _exclusive(buf: torch.Tensor, baseline: int) -> bool:
+    """True when no tensor besides ``buf`` views its storage (so it may be overwritten)."""
+    if _use_count is None:
+        return False
+    return int(_use_count(buf.untyped_storage()._cdata)) <= baseline
+
+
+@dataclass
+class _Entry:
+    chunk: CompactedChunk
+    buffer: torch.Tensor
+    nbytes: int
+
+
+class MemoryTier(StorageTier):
+    """Chunks held as tensors on one device, bounded by ``capacity_bytes``.
+
+    Args:
+        capacity_bytes: most payload bytes held (live entries plus recycled buffers).
+        device: where entries live (``"cuda:0"``, ``"cpu"``).
+        pin_memory: allocate page-locked host buffers (CPU device with CUDA present).
+        eviction: an :class:`EvictionPolicy` or its config name (default LRU).
+        name: tier name for metrics and logs.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        device: str | torch.device = "cpu",
+        *,
+        pin_memory: bool = False,
+        eviction: str | EvictionPolicy = "lru",
+        name: str = "memory",
+    ) -> None:
+        super().__init__()
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self.name = name
+        self.device = torch.device(device)
+        if pin_memory and self.device.type != "cpu":
+            raise ValueError(f"pin_memory needs a CPU device, got {self.device}")
+        self.pin_memory = pin_memory
+        self._capacity = capacity_bytes
+        self._policy = make_eviction_policy(eviction) if isinstance(eviction, str) else eviction
+        self._pins = PinTable()
+        self._entries: dict[ChunkKey, _Entry] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._allocated = 0
+        self._used = 0
+        self._baseline_uses = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[ChunkKey]:
+        """Stored keys in eviction order (first to go first)."""
+        with self._lock:
+            return [k for k in self._policy.candidates() if isinstance(k, ChunkKey)]
+
+    # -- StorageTier ----------------------------------------------------------------------
+    def get(self, key: ChunkKey) -> CompactedChunk | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._policy.on_access(key)
+        if entry is None:
+            self.stats.add(misses=1)
+            return None
+        self.stats.add(hits=1, bytes_out=entry.nbytes)
+        return entry.chunk
+
+    def peek(self, key: ChunkKey) -> CompactedChunk | None:
+        """The stored chunk without counting a hit or refreshing its eviction order."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.chunk
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._entries
+
+    def put(self, key: ChunkKey, chunk: CompactedChunk) -> bool:
+        nbytes = chunk.payload_nbytes
+        with self._lock:
+            if key in self._entries:
+                self._policy.on_access(key)
+                return True
+            buf = self._reserve(nbytes)
+            if buf is None:
+                self.stats.add(put_failures=1)
+                logger.debug(
+                    "%s tier: no room for %d bytes (capacity %d)", self.name, nbytes, self._capacity
+                )
+                return False
+            self._used += nbytes
+        try:
+            stored = chunk.pack_into(buf)
+        except BaseException:
+            with self._lock:
+                self._used -= nbytes
+                self._free.setdefault(nbytes, []).append(buf)
+            raise
+        with self._lock:
+            if key in self._entries:  # a concurrent put of the same content won
+                self._used -= nbytes
+                self._free.setdefault(nbytes, []).append(buf)
+                return True
+            self._entries[key] = _Entry(stored, buf, nbytes)
+            self._policy.on_insert(key, nbytes)
+        self.stats.add(puts=1, bytes_in=nbytes)
+        return True
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key not in self._entries or self._pins.is_pinned(key):
+                return False
+            self._remove(key)
+            return True
+
+    def pin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._pins.pin(key)
+            return True
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._pins.unpin(key)
+
+    def pin_count(self, key: ChunkKey) -> int:
+        with self._lock:
+            return self._pins.count(key)
+
+    def metrics(self) -> dict[str, object]:
+        out = super().metrics()
+        out["entries"] = len(self._entries)
+        out["allocated_bytes"] = self._allocated
+        out["device"] = str(self.device)
+        return out
+
+    def clear(self) -> None:
+        """Drop every unpinned entry and all recycled buffers."""
+        with self._lock:
+            for key in [k for k in self._entries if not self._pins.is_pinned(k)]:
+                self._remove(key)
+            self._allocated -= sum(n * len(b) for n, b in self._free.items())
+            self._free.clear()
+
+    # -- internals (lock held) --------------------------------------------------------------
+    def _remove(self, key: ChunkKey) -> _Entry:
+        entry = self._entries.pop(key)
+        self._policy.on_remove(key)
+        self._used -= entry.nbytes
+        self._free.setdefault(entry.nbytes, []).append(entry.buffer)
+        return entry
+
+    def _take_free(self, nbytes: int) -> torch.Tensor | None:
+        bufs = self._free.get(nbytes)
+        while bufs:
+            buf = bufs.pop()
+            if _exclusive(buf, self._baseline_uses):
+                return buf
+            self._allocated -= nbytes  # still viewed by a caller: let it go with them
+        return None
+
+    def _drop_one_free(self) -> bool:
+        for size, bufs in self._free.items():
+            if bufs:
+                bufs.pop()
+                self._allocated -= size
+                return True
+        return False
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        if not self._baseline_uses and _use_count is not None:
+            self._baseline_uses = int(_use_count(buf.untyped_storage()._cdata))
+        self._allocated += nbytes
+        return buf
+
+    def _reserve(self, nbytes: int) -> torch.Tensor | None:
+        if nbytes > self._capacity:
+            return None
+        pinned = sum(
+            self._entries[k].nbytes for k in self._pins.pinned_keys() if k in self._entries
+        )
+        if pinned + nbytes > self._capacity:
+            return None
+        while True:
+            buf = self._take_free(nbytes)
+            if buf is not None:
+                return buf
+            if self._allocated + nbytes <= self._capacity:
+                return self._allocate(nbytes)
+            if self._drop_one_free():
+                continue
+            victim = next(
+                (k for k in self._policy.candidates() if not self._pins.is_pinned(k)), None
+            )
+            if victim is None:
+                return None
+            self._remove(victim)  # type: ignore[arg-type]
+            self.stats.add(evictions=1)
