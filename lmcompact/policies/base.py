@@ -171,6 +171,86 @@ class CompactionInputs:
         return self.valid_or_all().sum(dim=-1)
 
 
+_LAYER_RANKS = {
+    "keys": 3,
+    "values": 3,
+    "window_scores": 2,
+    "window_attention": 3,
+    "cumulative_scores": 2,
+}
+
+
+def need_names(needs: Need) -> list[str]:
+    """Names of the flags set in ``needs`` (``["KEYS", ...]``)."""
+    return [n.name for n in Need if n in needs and n.name and n is not Need.NOTHING]
+
+
+def _check_layer_tensor(
+    policy: str, inputs: CompactionInputs, index: int, attribute: str, value: torch.Tensor
+) -> None:
+    rank = _LAYER_RANKS[attribute]
+    token_dim = 1 if attribute in ("keys", "values") else rank - 1
+    expected = {
+        "keys": "(kv_heads, T, head_dim)",
+        "values": "(kv_heads, T, head_dim)",
+        "window_scores": "(kv_heads, T)",
+        "window_attention": "(kv_heads, W, T)",
+        "cumulative_scores": "(kv_heads, T)",
+    }[attribute]
+    if (
+        value.dim() != rank
+        or value.shape[0] != inputs.num_kv_heads
+        or value.shape[token_dim] != inputs.num_candidates
+    ):
+        raise ValueError(
+            f"policy {policy!r}: layer {index} {attribute} has shape {tuple(value.shape)}; "
+            f"expected {expected} with kv_heads={inputs.num_kv_heads} and "
+            f"T={inputs.num_candidates} (the keys and scores of a layer must agree)"
+        )
+
+
+def check_structure(policy: str, inputs: CompactionInputs) -> None:
+    """Structure checks every policy shares (shapes of everything that is present)."""
+    h, t = inputs.num_kv_heads, inputs.num_candidates
+    if not inputs.layers:
+        raise ValueError(f"policy {policy!r}: inputs have no layers; give one observation each")
+    if h <= 0 or t <= 0:
+        raise ValueError(
+            f"policy {policy!r}: num_kv_heads and num_candidates must be > 0, got {h} and {t}"
+        )
+    for name in ("positions", "valid"):
+        value = getattr(inputs, name)
+        if value is not None and tuple(value.shape) != (h, t):
+            raise ValueError(
+                f"policy {policy!r}: {name} has shape {tuple(value.shape)}, expected ({h}, {t})"
+            )
+    if inputs.valid is not None and inputs.valid.dtype != torch.bool:
+        raise ValueError(
+            f"policy {policy!r}: valid must be a bool tensor, got {inputs.valid.dtype}"
+        )
+    for name in ("special_mask", "punctuation_mask"):
+        value = getattr(inputs, name)
+        if value is not None and (tuple(value.shape) != (t,) or value.dtype != torch.bool):
+            raise ValueError(
+                f"policy {policy!r}: {name} must be a bool tensor of shape ({t},), got "
+                f"{value.dtype} {tuple(value.shape)}"
+            )
+    for index, layer in enumerate(inputs.layers):
+        for attribute in _LAYER_RANKS:
+            value = getattr(layer, attribute)
+            if value is not None:
+                _check_layer_tensor(policy, inputs, index, attribute, value)
+        if (
+            layer.keys is not None
+            and layer.values is not None
+            and (layer.keys.shape != layer.values.shape)
+        ):
+            raise ValueError(
+                f"policy {policy!r}: layer {index} keys {tuple(layer.keys.shape)} and values "
+                f"{tuple(layer.values.shape)} differ in shape"
+            )
+
+
 @dataclass
 class CompactionPolicy(ABC):
     """Base of every policy: a dataclass whose fields are the paper's hyper-parameters.
@@ -193,11 +273,45 @@ class CompactionPolicy(ABC):
 
     # ------------------------------------------------------------- helpers
     def keep_count(self, inputs: CompactionInputs, available: int | None = None) -> int:
-        """Tokens to keep per head: the override, else the budget resolved on T."""
+        """Tokens to keep per head: the override, else the budget resolved on T.
+
+        A ratio budget is resolved on ``available`` (default T, the padded
+        candidate count); heads with fewer valid candidates keep all of them.
+        ``inputs.budget_tokens`` (decode-time callers) is clipped to the length.
+        """
         length = inputs.num_candidates if available is None else available
         if inputs.budget_tokens is not None:
-            return max(0, min(inputs.budget_tokens, length))
+            if inputs.budget_tokens <= 0:
+                raise ValueError(f"budget_tokens override must be > 0, got {inputs.budget_tokens}")
+            return min(inputs.budget_tokens, length)
         return self.budget.resolve(length)
+
+    def check_inputs(self, inputs: CompactionInputs) -> None:
+        """Validate ``inputs`` against what this policy needs; ValueError says what is wrong.
+
+        Checks that there is at least one layer and one candidate, that every
+        input this policy declares in ``needs`` is present, and that every tensor
+        that is present agrees with ``(num_kv_heads, num_candidates)`` (keys and
+        scores of one layer must describe the same heads and candidates).
+        """
+        check_structure(self.name, inputs)
+        needs = self.needs
+        wanted = [
+            (Need.KEYS, "keys"),
+            (Need.WINDOW_SCORES, "window_scores"),
+            (Need.WINDOW_ATTENTION, "window_attention"),
+            (Need.CUMULATIVE_SCORES, "cumulative_scores"),
+        ]
+        for flag, attribute in wanted:
+            if flag in needs:
+                self.require(inputs, attribute)
+        if Need.TOKEN_CLASSES in needs:
+            for attribute in ("special_mask", "punctuation_mask"):
+                if getattr(inputs, attribute) is None:
+                    raise ValueError(
+                        f"policy {self.name!r} needs {attribute} (a ({inputs.num_candidates},) "
+                        "bool tensor over candidates) but it is None"
+                    )
 
     def require(self, inputs: CompactionInputs, attribute: str) -> list[torch.Tensor]:
         """Per-layer tensors of ``attribute``, validated to be present and ``(H, T, ...)``."""
@@ -206,17 +320,10 @@ class CompactionPolicy(ABC):
             value = getattr(layer, attribute)
             if value is None:
                 raise ValueError(
-                    f"policy {self.name!r} needs {attribute} but layer {index} has none"
+                    f"policy {self.name!r} needs {attribute} but layer {index} has none; "
+                    f"this policy reads: {', '.join(need_names(self.needs)) or 'nothing'}"
                 )
-            token_dim = 1 if attribute in ("keys", "values") else value.dim() - 1
-            if value.shape[0] != inputs.num_kv_heads or value.shape[token_dim] != (
-                inputs.num_candidates
-            ):
-                raise ValueError(
-                    f"policy {self.name!r}: layer {index} {attribute} has shape "
-                    f"{tuple(value.shape)}; expected {inputs.num_kv_heads} kv heads first and "
-                    f"{inputs.num_candidates} candidates in dim {token_dim}"
-                )
+            _check_layer_tensor(self.name, inputs, index, attribute, value)
             tensors.append(value)
         return tensors
 
@@ -232,7 +339,7 @@ class CompactionPolicy(ABC):
             else:
                 default = None
             params[f.name] = str(default) if isinstance(default, Budget) else default
-        needs = [n.name for n in Need if n in cls.needs and n.name]
+        needs = need_names(cls.needs)
         phases = [p.name for p in (Phase.PREFILL, Phase.DECODE) if p in cls.phases]
         doc = (cls.__doc__ or "").strip().splitlines()
         return {
@@ -252,44 +359,64 @@ class CompactionPolicy(ABC):
         return out
 
 
-def topk_keep(scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None) -> list[
-    torch.Tensor
-]:
+def topk_keep(
+    scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Per head, the sorted indices of the ``k`` highest scores among valid candidates.
 
+    Ties go to the later (more recent) candidate, so results are deterministic.
+    Invalid candidates are never kept, whatever their score (even ``-inf``
+    valid candidates rank above them).
+
     Args:
-        scores: ``(H, T)`` float scores (higher is kept first).
+        scores: ``(H, T)`` float scores (higher is kept first; NaN is an error).
         k: Tokens to keep, one int for all heads or an ``(H,)`` tensor.
         valid: ``(H, T)`` bool mask; invalid candidates are never kept.
 
     Returns:
-        ``H`` sorted int64 CPU tensors of candidate indices.
+        ``H`` sorted int64 CPU tensors of candidate indices; head ``h`` keeps
+        ``min(k[h], valid[h].sum())`` of them.
     """
-    scores = scores.detach().float().cpu()
-    if valid is not None:
-        scores = scores.masked_fill(~valid.cpu(), float("-inf"))
-        available = valid.cpu().sum(dim=-1)
-    else:
-        available = torch.full((scores.shape[0],), scores.shape[1])
-    counts = torch.as_tensor(k, dtype=torch.int64).expand(scores.shape[0])
-    counts = torch.minimum(counts, available)
+    scores = scores.detach().cpu().double()
+    num_heads, length = scores.shape
+    valid_cpu = (
+        valid.cpu() if valid is not None else torch.ones(num_heads, length, dtype=torch.bool)
+    )
+    if bool(torch.isnan(scores[valid_cpu]).any()):
+        raise ValueError("scores contain NaN for valid candidates; a policy must score every one")
+    order = descending_order(scores, valid_cpu)
+    counts = torch.minimum(
+        torch.as_tensor(k, dtype=torch.int64).expand(num_heads), valid_cpu.sum(dim=-1)
+    )
     kept: list[torch.Tensor] = []
-    for head in range(scores.shape[0]):
-        n = int(counts[head])
-        if n <= 0:
-            kept.append(torch.empty(0, dtype=torch.int64))
-            continue
-        # stable tie-break towards later (more recent) candidates
-        idx = torch.topk(scores[head], n, sorted=False).indices
-        kept.append(torch.sort(idx).values)
+    for head in range(num_heads):
+        n = max(int(counts[head]), 0)
+        kept.append(torch.sort(order[head, :n]).values)
     return kept
 
 
+def descending_order(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(H, T)`` candidate indices, best first: valid before invalid, then by score
+    (descending), ties to the later candidate."""
+    flipped = torch.flip(scores, dims=[-1])
+    order = torch.sort(flipped, dim=-1, descending=True, stable=True).indices
+    order = scores.shape[-1] - 1 - order
+    rank_valid = torch.gather(valid, -1, order)
+    regroup = torch.sort(rank_valid.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return torch.gather(order, -1, regroup)
+
+
 def plan_from_scores(
-    policy: CompactionPolicy, inputs: CompactionInputs, per_layer_scores: list[torch.Tensor],
-    keep_per_layer: list[int] | None = None,
+    policy: CompactionPolicy,
+    inputs: CompactionInputs,
+    per_layer_scores: list[torch.Tensor],
+    keep_per_layer: list[int | torch.Tensor] | None = None,
 ) -> KeepPlan:
-    """Top-k per (layer, head) over ``per_layer_scores`` (each ``(H, T)``)."""
+    """Top-k per (layer, head) over ``per_layer_scores`` (each ``(H, T)``).
+
+    ``keep_per_layer[l]`` is one count for every head of layer ``l`` or an
+    ``(H,)`` tensor of per-head counts; default: ``policy.keep_count(inputs)``.
+    """
     valid = inputs.valid
     layers = []
     for index, scores in enumerate(per_layer_scores):
@@ -311,6 +438,12 @@ class ScorePolicy(CompactionPolicy):
         """``(H, T)`` float scores for ``layer``; +inf forces a keep."""
 
     def plan(self, inputs: CompactionInputs) -> KeepPlan:
+        self.check_inputs(inputs)
+        scores = self.score_all(inputs)
+        return plan_from_scores(self, inputs, scores)
+
+    def score_all(self, inputs: CompactionInputs) -> list[torch.Tensor]:
+        """Scores of every layer, each checked to be ``(H, T)``."""
         scores = [self.score(inputs, layer) for layer in range(inputs.num_layers)]
         for index, s in enumerate(scores):
             if tuple(s.shape) != (inputs.num_kv_heads, inputs.num_candidates):
@@ -318,4 +451,4 @@ class ScorePolicy(CompactionPolicy):
                     f"policy {self.name!r} scored layer {index} with shape {tuple(s.shape)}, "
                     f"expected ({inputs.num_kv_heads}, {inputs.num_candidates})"
                 )
-        return plan_from_scores(self, inputs, scores)
+        return scores

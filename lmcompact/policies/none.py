@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +19,12 @@ class KeepAll(CompactionPolicy):
 
     name = "none"
     needs = Need.NOTHING
-    phases = Phase.PREFILL
+    phases = Phase.BOTH
 
-    budget: Budget = Budget(ratio=1.0)
+    budget: Budget = field(default_factory=lambda: Budget(ratio=1.0))
 
     def plan(self, inputs: CompactionInputs) -> KeepPlan:
+        self.check_inputs(inputs)
         valid = inputs.valid_or_all()
         heads = tuple(torch.nonzero(v).flatten() for v in valid)
         return KeepPlan(seq_len=inputs.num_candidates, kept=tuple(heads for _ in inputs.layers))

@@ -97,4 +97,6 @@ def make_policy(name: str, **params: Any) -> CompactionPolicy:
         return cls(**params)
     except TypeError as error:
         allowed = ", ".join(cls.describe()["params"])
-        raise ValueError(f"bad parameters for policy {name!r}: {error}; allowed: {allowed}") from None
+        raise ValueError(
+            f"bad parameters for policy {name!r}: {error}; allowed: {allowed}"
+        ) from None

@@ -1,0 +1,99 @@
+"""Ada-KV: share a layer's budget across its heads by comparing scores between heads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcompact.plan import KeepPlan
+from lmcompact.policies._select import top_mask
+from lmcompact.policies.base import (
+    CompactionInputs,
+    CompactionPolicy,
+    Need,
+    Phase,
+    ScorePolicy,
+    descending_order,
+)
+
+
+@dataclass
+class AdaKV(CompactionPolicy):
+    """Adaptive per-head budgets over any token scorer.
+
+    Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+    Allocation for Efficient LLM Inference", https://arxiv.org/abs/2407.11550.
+    A layer with ``H`` heads and a per-head budget ``k`` keeps ``k * H``
+    tokens in total. Each head first gets a safeguard of its own
+    ``ceil(alpha_safeguard * k)`` best tokens; the rest of the layer's budget goes
+    to the best remaining (head, token) pairs over the flattened ``(H x T)``
+    scores, so heads with concentrated attention give budget to heads with
+    spread-out attention. Scores come from any registered score-based policy
+    (``scorer``), whose forced keeps (+inf, e.g. SnapKV's window) stay forced.
+
+    Shapes: the scorer's ``(H, T)`` scores per layer. Per-head counts differ;
+    the per-layer total is ``min(k * H, valid candidates of the layer)``.
+    ``needs`` and ``phases`` of an instance are the scorer's.
+
+    Attributes:
+        scorer: Registered name of a score-based policy (snapkv, h2o, tova,
+            knorm, streaming_llm, random, pyramidkv).
+        scorer_params: Hyper-parameters of the scorer (its budget is this policy's).
+        alpha_safeguard: Fraction of ``k`` guaranteed to every head (paper: 0.2).
+    """
+
+    name = "adakv"
+    needs = Need.WINDOW_SCORES
+    phases = Phase.PREFILL
+
+    scorer: str = "snapkv"
+    scorer_params: dict[str, Any] = field(default_factory=dict)
+    alpha_safeguard: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ValueError(f"alpha_safeguard must be in [0, 1], got {self.alpha_safeguard}")
+        from lmcompact.policies.registry import get_policy_class  # avoid an import cycle
+
+        cls = get_policy_class(self.scorer)
+        if not issubclass(cls, ScorePolicy):
+            raise ValueError(
+                f"adakv needs a score-based scorer (a ScorePolicy such as snapkv, h2o, tova, "
+                f"knorm, streaming_llm, random); {self.scorer!r} is not one"
+            )
+        params = {"budget": self.budget, **self.scorer_params}
+        try:
+            self.inner: ScorePolicy = cls(**params)
+        except TypeError as error:
+            raise ValueError(f"bad scorer_params for {self.scorer!r}: {error}") from None
+        # An instance reads what its scorer reads (class attributes describe the default).
+        self.__dict__["needs"] = cls.needs
+        self.__dict__["phases"] = cls.phases
+
+    def check_inputs(self, inputs: CompactionInputs) -> None:
+        self.inner.check_inputs(inputs)
+
+    def layer_mask(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
+        """``(H, T)`` bool keep mask of one layer from its ``(H, T)`` scores."""
+        keep = self.keep_count(inputs)
+        valid = inputs.valid_or_all().cpu()
+        heads, length = scores.shape
+        ranked = scores.detach().cpu().double()
+        safeguard = top_mask(ranked, valid, math.ceil(self.alpha_safeguard * keep))
+        total = min(keep * heads, int(valid.sum()))
+        # One ranking over the flattened (H x T) pairs: safeguards first, then by
+        # score; invalid slots last (never reached, total <= valid slots).
+        ranked = ranked.masked_fill(safeguard, float("inf")).reshape(1, -1)
+        chosen = descending_order(ranked, valid.reshape(1, -1))[0, :total]
+        mask = torch.zeros(heads * length, dtype=torch.bool)
+        mask[chosen] = True
+        return mask.view(heads, length)
+
+    def plan(self, inputs: CompactionInputs) -> KeepPlan:
+        self.check_inputs(inputs)
+        masks = [self.layer_mask(scores, inputs) for scores in self.inner.score_all(inputs)]
+        return KeepPlan.from_masks(torch.stack(masks))
