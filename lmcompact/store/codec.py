@@ -57,7 +57,7 @@ warnings.filterwarnings(
     "ignore",
     message="The given buffer is not writable",
     category=UserWarning,
-    module=r"lmcompact\.store\.codec",
+    module=r"(.*[\\/])?lmcompact[\\/.]store[\\/.]codec",
 )
 
 
@@ -135,7 +135,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().view(torch.uint8).numpy().data.cast("B")
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
 
 
 class ChunkCodec:
