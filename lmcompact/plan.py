@@ -183,9 +183,7 @@ class KeepPlan:
         kept = data.get("kept")
         if not isinstance(kept, list) or not all(isinstance(h, list) for h in kept):
             raise ValueError("KeepPlan dict needs 'kept' as a list of per-layer lists")
-        layers = tuple(
-            tuple(torch.tensor(p, dtype=torch.int64) for p in heads) for heads in kept
-        )
+        layers = tuple(tuple(torch.tensor(p, dtype=torch.int64) for p in heads) for heads in kept)
         return cls(seq_len=int(data["seq_len"]), kept=layers)
 
     def __eq__(self, other: object) -> bool:

@@ -83,7 +83,7 @@ def dense_attention(
         queries: ``(B, Hq, S, D)``; keys/values ``(B, Hkv, T, D)``.
         query_positions: ``(B, S)``; key_positions: ``(B, T)``.
     """
-    b, hq, s, d = queries.shape
+    _b, hq, _s, d = queries.shape
     group = hq // keys.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     k = keys.float().repeat_interleave(group, dim=1)

@@ -67,7 +67,7 @@ def window_scores(
         the query heads of each KV group, and the optional per-query rows.
     """
     hkv, group = _check_shapes(queries, keys)
-    b, hq, w, d = queries.shape
+    b, _hq, w, d = queries.shape
     t = keys.shape[2]
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
@@ -116,7 +116,7 @@ def window_scores_naive(
         queries first when they want a shorter window).
     """
     hkv, group = _check_shapes(queries, keys)
-    b, hq, tq, d = queries.shape
+    b, _hq, tq, d = queries.shape
     t = keys.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     k = keys.float().repeat_interleave(group, dim=1)
@@ -152,8 +152,9 @@ def cumulative_scores(
     total = torch.zeros(keys.shape[0], keys.shape[1], t, device=queries.device)
     for start in range(0, tq, query_chunk):
         block = queries[:, :, start : start + query_chunk]
-        positions = torch.arange(t - tq + start, t - tq + start + block.shape[2],
-                                 device=queries.device)
+        positions = torch.arange(
+            t - tq + start, t - tq + start + block.shape[2], device=queries.device
+        )
         mass, _ = window_scores(
             block, keys, query_positions=positions, scale=scale, chunk_size=key_chunk
         )

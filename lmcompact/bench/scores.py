@@ -29,15 +29,20 @@ HELP = "chunked observation-window scores vs eager full attention: time and peak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default="4096,8192,16384,32768,65536",
-                        help="comma-separated prompt lengths T")
+    parser.add_argument(
+        "--lengths", default="4096,8192,16384,32768,65536", help="comma-separated prompt lengths T"
+    )
     parser.add_argument("--window", type=int, default=64, help="observation window W")
     parser.add_argument("--q-heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=4096, help="keys per chunk")
-    parser.add_argument("--naive-max-gib", type=float, default=6.0,
-                        help="skip the naive run when its T x T matrices exceed this")
+    parser.add_argument(
+        "--naive-max-gib",
+        type=float,
+        default=6.0,
+        help="skip the naive run when its T x T matrices exceed this",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
@@ -93,7 +98,9 @@ def _measure(spec: dict[str, Any]) -> dict[str, float]:
 def _run_child(spec: dict[str, Any]) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-m", "lmcompact", "bench", "scores", "--measure", json.dumps(spec)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -106,8 +113,11 @@ def _linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
     intercept = my - slope * mx
     ss_tot = sum((y - my) ** 2 for y in ys)
     ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
-    return {"bytes_per_token": slope, "intercept_bytes": intercept,
-            "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
+    return {
+        "bytes_per_token": slope,
+        "intercept_bytes": intercept,
+        "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0,
+    }
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -118,8 +128,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in ("chunked", "naive"):
-        pts = [(r["T"], r[f"{method}_peak_bytes"] / 2**20) for r in rows
-               if r[f"{method}_peak_bytes"] is not None]
+        pts = [
+            (r["T"], r[f"{method}_peak_bytes"] / 2**20)
+            for r in rows
+            if r[f"{method}_peak_bytes"] is not None
+        ]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", label=method)
     ax.set_xscale("log", base=2)
@@ -140,15 +153,24 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     if any(t < args.window for t in lengths):
         raise ValueError(f"every length must be >= the window {args.window}, got {lengths}")
-    common = {"W": args.window, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
-              "head_dim": args.head_dim, "chunk": args.chunk, "device": args.device}
+    common = {
+        "W": args.window,
+        "q_heads": args.q_heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "chunk": args.chunk,
+        "device": args.device,
+    }
     rows: list[dict[str, Any]] = []
     for t in tqdm(lengths, desc="bench scores"):
         chunked = _run_child({**common, "T": t, "method": "chunked"})
         # logits + probabilities, fp32, for every query head
         naive_gib = 2 * args.q_heads * t * t * 4 / 2**30
-        naive = (_run_child({**common, "T": t, "method": "naive"})
-                 if naive_gib <= args.naive_max_gib else None)
+        naive = (
+            _run_child({**common, "T": t, "method": "naive"})
+            if naive_gib <= args.naive_max_gib
+            else None
+        )
         row: dict[str, Any] = {
             "T": t,
             "chunked_time_s": chunked["time_s"],
@@ -158,21 +180,40 @@ def run(args: argparse.Namespace) -> int:
             "naive_skipped_gib": None if naive else naive_gib,
         }
         row["time_ratio_naive_over_chunked"] = (
-            naive["time_s"] / chunked["time_s"] if naive else None)
+            naive["time_s"] / chunked["time_s"] if naive else None
+        )
         row["memory_ratio_naive_over_chunked"] = (
-            naive["peak_bytes"] / max(chunked["peak_bytes"], 1.0) if naive else None)
+            naive["peak_bytes"] / max(chunked["peak_bytes"], 1.0) if naive else None
+        )
         rows.append(row)
     fit = _linear_fit([float(r["T"]) for r in rows], [r["chunked_peak_bytes"] for r in rows])
-    payload = {"benchmark": "scores", "config": {**common, "lengths": lengths},
-               "results": rows, "chunked_memory_linear_fit": fit}
-    print(format_table(rows, ["T", "chunked_time_s", "naive_time_s",
-                              "time_ratio_naive_over_chunked", "chunked_peak_bytes",
-                              "naive_peak_bytes", "memory_ratio_naive_over_chunked"]))
-    print(f"chunked peak memory vs T: {fit['bytes_per_token']:.1f} bytes/token, "
-          f"R^2 = {fit['r2']:.4f}")
+    payload = {
+        "benchmark": "scores",
+        "config": {**common, "lengths": lengths},
+        "results": rows,
+        "chunked_memory_linear_fit": fit,
+    }
+    print(
+        format_table(
+            rows,
+            [
+                "T",
+                "chunked_time_s",
+                "naive_time_s",
+                "time_ratio_naive_over_chunked",
+                "chunked_peak_bytes",
+                "naive_peak_bytes",
+                "memory_ratio_naive_over_chunked",
+            ],
+        )
+    )
+    print(
+        f"chunked peak memory vs T: {fit['bytes_per_token']:.1f} bytes/token, R^2 = {fit['r2']:.4f}"
+    )
     write_json(args.json, payload)
-    plot = args.plot or (str(Path(args.json).with_suffix(".png"))
-                         if args.json and args.json != "-" else None)
+    plot = args.plot or (
+        str(Path(args.json).with_suffix(".png")) if args.json and args.json != "-" else None
+    )
     if plot:
         _plot(rows, Path(plot))
     return 0

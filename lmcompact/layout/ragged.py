@@ -95,8 +95,10 @@ class RaggedLayer:
 
     def nbytes(self) -> int:
         """Exact bytes held: K, V, positions, offsets and scores."""
-        total = sum(t.numel() * t.element_size() for t in (
-            self.keys, self.values, self.positions, self.cu_seqlens))
+        total = sum(
+            t.numel() * t.element_size()
+            for t in (self.keys, self.values, self.positions, self.cu_seqlens)
+        )
         if self.scores is not None:
             total += self.scores.numel() * self.scores.element_size()
         return total

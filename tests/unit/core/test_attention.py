@@ -57,8 +57,7 @@ def test_decode_tokens_attend_to_kept_plus_new_only() -> None:
         key_pos = torch.tensor([[*positions, t, t + 1]])
         q = queries[:, h * ratio : (h + 1) * ratio]
         expected = dense_attention(q, k, v, torch.tensor([[t, t + 1]]), key_pos)
-        torch.testing.assert_close(out[:, h * ratio : (h + 1) * ratio], expected, atol=1e-5,
-                                   rtol=0)
+        torch.testing.assert_close(out[:, h * ratio : (h + 1) * ratio], expected, atol=1e-5, rtol=0)
     # token t+1 is invisible to the query at position t; each query's mass sums to 1
     assert mass is not None
     assert mass.sum().item() == pytest.approx(2 * hkv, abs=1e-4)
