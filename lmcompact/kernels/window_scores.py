@@ -1,0 +1,149 @@
+"""Triton window scores: attention mass per key from the last W queries, no T x T.
+
+Two launches over the keys, each program owning ``BLOCK_N`` keys of one
+(batch, kv head) and looping over every query row of the GQA group (rows from
+L2, keys from memory once per pass)::
+
+    row r = g * W + w          query w of query head h * G + g     (R = G * W rows)
+    pass 1  part[b, h, r, n] = log sum_{j in tile n, j <= pos[w]} exp(s[r, j])
+            lse[b, h, r]     = logsumexp_n part[b, h, r, n]          (torch, tiny)
+    pass 2  mass[b, h, j]    = (1 / G) * sum_r exp(s[r, j] - lse[r])
+
+Splitting pass 1 by key tile (instead of streaming all keys per row) keeps the
+grid wide at small batch: ``B * Hkv * T / BLOCK_N`` programs in both passes.
+SnapKV pooling runs right after, on the ``(B, Hkv, T)`` mass
+(:func:`lmcompact.kernels.pooling.pool_scores`).
+Reference: :func:`lmcompact.attention.scores.window_scores`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from lmcompact.attention.scores import _check_shapes
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _window_pass_kernel(
+    q_ptr, k_ptr, pos_ptr, lse_ptr, out_ptr,
+    scale_log2, seq_len, window, head_dim,
+    stride_qb, stride_qh, stride_qw,
+    stride_kb, stride_kh, stride_kt,
+    stride_lb, stride_lh, stride_lr,
+    stride_ob, stride_oh,
+    HKV: tl.constexpr, GROUP: tl.constexpr, MASS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    h = pid_bh % HKV
+    j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = j < seq_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    k_base = k_ptr + b * stride_kb + h.to(tl.int64) * stride_kh
+    k = tl.load(k_base + j.to(tl.int64)[None, :] * stride_kt + d[:, None],
+                mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    num_rows = GROUP * window
+    for r0 in range(0, num_rows, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        g = rows // window
+        w = rows % window
+        q_off = b * stride_qb + (h * GROUP + g).to(tl.int64) * stride_qh + w * stride_qw
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        pos = tl.load(pos_ptr + w, mask=row_ok, other=-1)
+        s = tl.dot(q, k) * scale_log2
+        seen = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= pos[:, None])
+        l_off = b * stride_lb + h * stride_lh + rows * stride_lr
+        if MASS:
+            lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            live = lse > float("-inf")
+            p = tl.exp2(s - tl.where(live, lse, 0.0)[:, None])
+            acc += tl.sum(tl.where(seen & live[:, None], p, 0.0), 0)
+        else:
+            s = tl.where(seen, s, float("-inf"))
+            m = tl.max(s, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            part = tl.where(total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0)))
+                            * 0.6931471805599453, float("-inf"))
+            tl.store(lse_ptr + l_off + pid_n, part, mask=row_ok)
+    if MASS:
+        o_off = b * stride_ob + h * stride_oh + j
+        tl.store(out_ptr + o_off, acc / GROUP, mask=j_ok)
+
+
+def window_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_m: int = 64,
+    block_n: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention mass per key from window queries (Triton), GQA-aware.
+
+    Args:
+        queries: ``(B, Hq, W, D)`` fp16/bf16 (fp32 works, through tf32 dots), head_dim
+            contiguous.
+        keys: ``(B, Hkv, T, D)`` same dtype, head_dim contiguous (any other strides).
+        query_positions: ``(W,)`` positions (default the last W); key ``j`` is seen by
+            query ``w`` when ``j <= query_positions[w]``.
+        scale: Softmax scale (default ``1 / sqrt(D)``).
+        block_m, block_n, num_warps, num_stages: Tile and launch parameters.
+
+    Returns:
+        ``(B, Hkv, T)`` float32: mass summed over window queries, averaged over the
+        query heads of each kv group (same as the torch reference).
+    """
+    hkv, group = _check_shapes(queries, keys)
+    b, _, w, d = queries.shape
+    t = keys.shape[2]
+    if queries.dtype != keys.dtype:
+        raise ValueError(f"queries ({queries.dtype}) and keys ({keys.dtype}) must share a dtype")
+    if queries.stride(3) != 1 or keys.stride(3) != 1:
+        raise ValueError("queries and keys need a contiguous head_dim (stride 1)")
+    if queries.device != keys.device:
+        raise ValueError(f"queries on {queries.device} but keys on {keys.device}")
+    if query_positions is None:
+        query_positions = torch.arange(t - w, t, device=queries.device)
+    if query_positions.shape != (w,):
+        raise ValueError(f"query_positions must be ({w},), got {tuple(query_positions.shape)}")
+    positions = query_positions.to(device=queries.device, dtype=torch.int32).contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    mass = torch.zeros(b, hkv, t, dtype=torch.float32, device=queries.device)
+    if t == 0 or w == 0 or b == 0:
+        return mass
+    n_tiles = triton.cdiv(t, block_n)
+    part = torch.empty(b, hkv, group * w, n_tiles, dtype=torch.float32, device=queries.device)
+    common = dict(
+        HKV=hkv, GROUP=group, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+    args = (scale * LOG2E, t, w, d, *queries.stride()[:3], *keys.stride()[:3])
+    grid = (b * hkv, n_tiles)
+    _window_pass_kernel[grid](
+        queries, keys, positions, part, mass, *args, *part.stride()[:3], 0, 0,
+        MASS=False, **common,
+    )
+    lse = torch.logsumexp(part, dim=-1)  # (B, Hkv, R); -inf for rows that see no key
+    _window_pass_kernel[grid](
+        queries, keys, positions, lse, mass, *args, *lse.stride(), *mass.stride()[:2],
+        MASS=True, **common,
+    )
+    return mass
+

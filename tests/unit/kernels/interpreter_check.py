@@ -1,0 +1,102 @@
+"""Run the Triton kernels in Triton's CPU interpreter against the torch references.
+
+Started as a subprocess by ``test_interpreter.py`` (the interpreter must be
+switched on before Triton kernels are defined). Exits non-zero on a mismatch.
+Sizes are small: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from lmcompact.attention.scores import window_scores as window_scores_reference
+from lmcompact.kernels import compaction_copy, paged_attention, window_scores
+from lmcompact.kernels.moves import compaction_moves, plan_defragment
+from lmcompact.kernels.reference_paged import (
+    move_slots_reference,
+    paged_attention_reference,
+)
+from lmcompact.kernels.synthetic import random_paged_case
+
+FAILURES: list[str] = []
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    bad = not (err <= tol) or bool(torch.isnan(got).any())
+    print(f"{'FAIL' if bad else 'ok  '} {name}: max abs err {err:.2e}")
+    if bad:
+        FAILURES.append(name)
+
+
+def check_attention() -> None:
+    cases = [
+        # kept (B x Hkv), prefix, tail, q_len, group, block_size, layout, splits
+        ([[5, 0, 1], [16, 7, 3]], [16, 32], [3, 9], [1, 1], 3, 4, "vllm", 3),
+        ([[5, 0, 1], [16, 7, 3]], [16, 32], [3, 9], [1, 1], 3, 4, "flash", None),
+        ([[0, 1], [9, 2]], [12, 16], [40, 33], [30, 33], 8, 4, "vllm", 2),
+        ([[0], [0]], [0, 8], [1, 5], [1, 0], 1, 8, "flash", 1),
+    ]
+    for i, (kept, prefix, tail, q_len, group, bs, layout, splits) in enumerate(cases):
+        case = random_paged_case(kept, prefix, tail, q_len, group=group, head_dim=32,
+                                 block_size=bs, layout=layout, seed=i)
+        args = (case.queries, case.key_pool, case.value_pool, case.block_table,
+                case.cu_seqlens_q, case.lengths)
+        want, want_mass = paged_attention_reference(*args, return_key_mass=True)
+        got, mass = paged_attention.paged_attention(*args, return_key_mass=True,
+                                                    num_splits=splits, block_n=16)
+        assert mass is not None and want_mass is not None
+        check(f"paged attention case {i}", got, want)
+        check(f"paged attention mass case {i}", mass, want_mass)
+
+
+def check_window_scores() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for b, hkv, group, w, t, d in ((1, 2, 3, 5, 70, 32), (2, 1, 8, 4, 33, 16)):
+        q = torch.randn(b, hkv * group, w, d, generator=gen)
+        k = torch.randn(b, hkv, t, d, generator=gen)
+        want, _ = window_scores_reference(q, k)
+        got = window_scores.window_scores(q, k, block_m=16, block_n=16)
+        check(f"window scores b{b} hkv{hkv} g{group} w{w} t{t}", got, want)
+    q = torch.randn(1, 4, 6, 16, generator=gen)
+    k = torch.randn(1, 2, 40, 16, generator=gen)
+    pos = torch.tensor([0, 3, 10, 20, 39, 39])
+    want, _ = window_scores_reference(q, k, query_positions=pos)
+    check("window scores custom positions",
+          window_scores.window_scores(q, k, query_positions=pos, block_m=16, block_n=16), want)
+
+
+def check_moves() -> None:
+    case = random_paged_case([[8, 3], [5, 8]], [8, 8], [4, 4], [1, 1], group=1, head_dim=32,
+                             block_size=4, poison=False, seed=7)
+    keep = [torch.tensor([1, 4, 7]), torch.tensor([0, 9, 10, 11]), torch.tensor([2]),
+            torch.tensor([], dtype=torch.int64)]
+    moves = compaction_moves(keep, 2)
+    table = case.block_table
+    want_cache = case.cache.clone()
+    wk, wv = want_cache[..., :32].transpose(1, 2), want_cache[..., 32:].transpose(1, 2)
+    move_slots_reference(wk, wv, table, wk, wv, table, moves)
+    compaction_copy.move_slots(case.key_pool, case.value_pool, table, case.key_pool,
+                               case.value_pool, table, moves)
+    check("compaction in place (staged)", case.cache, want_cache, 0.0)
+    dst = torch.zeros_like(case.cache)
+    dk, dv = dst[..., :32].transpose(1, 2), dst[..., 32:].transpose(1, 2)
+    want_dst = torch.zeros_like(case.cache)
+    rk, rv = want_dst[..., :32].transpose(1, 2), want_dst[..., 32:].transpose(1, 2)
+    move_slots_reference(case.key_pool, case.value_pool, table, rk, rv, table, moves)
+    compaction_copy.move_slots(case.key_pool, case.value_pool, table, dk, dv, table, moves)
+    check("compaction into another pool", dst, want_dst, 0.0)
+    plan = plan_defragment(table, case.lengths, 4)
+    print(f"     defrag: blocks {plan.blocks_before} -> {plan.blocks_after}")
+
+
+if __name__ == "__main__":
+    check_attention()
+    check_window_scores()
+    check_moves()
+    sys.exit(1 if FAILURES else 0)
