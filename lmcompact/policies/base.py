@@ -97,7 +97,12 @@ class Budget:
         return max(1, min(length, round(self.ratio * length)))
 
     def __str__(self) -> str:
-        return f"{self.ratio:g}" if self.ratio is not None else str(self.tokens)
+        """``"0.25"`` for ratios (always with a point: ``"1.0"``), ``"512"`` for tokens;
+        :meth:`parse` reads it back to the same budget."""
+        if self.ratio is None:
+            return str(self.tokens)
+        text = f"{self.ratio:g}"
+        return text if any(c in text for c in ".e") else text + ".0"
 
 
 @dataclass
