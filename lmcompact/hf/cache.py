@@ -1,0 +1,412 @@
+"""A transformers ``Cache`` that compacts itself with any lmcompact policy.
+
+Usage (Llama-family models; batches without padding)::
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    enable_lmcompact_attention(model)
+    cache = CompactingCache(model, "snapkv", budget=0.25)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    cache.nbytes(), cache.full_nbytes()   # bytes held vs. a full cache
+
+Life of one layer::
+
+    prefill forward  update(): keep dense K/V (B, H, T, D)
+                     attend(): causal SDPA over the prompt; capture the window
+                               queries -> window / cumulative scores
+    last layer done  compact(): policy.plan() per sequence -> RaggedLayer per layer
+                               (dense K/V dropped: the bytes are really gone)
+    decode forward   update(): append new K/V to every (sequence, head) segment
+                     attend(): ragged reference attention (per-head lengths),
+                               key mass -> decode-time scores
+    after last layer decode-time policies re-plan a layer whose longest head grew
+                     past its post-prefill size + ``decode_slack``
+
+Logical positions never change (RoPE stays right): ``get_seq_length`` counts
+every token seen, kept or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lmcompact.attention.reference import ragged_attention
+from lmcompact.hf.attention import ATTN_IMPLEMENTATION, causal_sdpa, tag
+from lmcompact.hf.observe import (
+    PrefillObservation,
+    TokenClassifier,
+    flat_scores_for,
+    observe_prefill,
+    pad_flat,
+)
+from lmcompact.layout.ragged import RaggedLayer, ragged_from_dense
+from lmcompact.plan import KeepPlan
+from lmcompact.policies.base import (
+    CompactionInputs,
+    CompactionPolicy,
+    LayerObservation,
+    Need,
+    Phase,
+)
+from lmcompact.policies.registry import make_policy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 32
+
+
+class CompactingLayer(CacheLayerMixin):
+    """One model layer's KV: dense during prefill, ragged per head afterwards."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: CompactingCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.seen = 0
+        self.ragged: RaggedLayer | None = None
+        self.observation: PrefillObservation | None = None
+        self.query_positions: torch.Tensor | None = None
+        self.last_mass: torch.Tensor | None = None
+
+    # ----------------------------------------------------------- transformers API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new K/V ``(B, H, S, D)``; returns them tagged for the attention function."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, _, s, _ = key_states.shape
+        positions = torch.arange(self.seen, self.seen + s, device=key_states.device)
+        self.query_positions = positions.expand(b, s)
+        if self.ragged is None:
+            if self.keys is not None:
+                raise ValueError(
+                    "CompactingCache compacts at the end of the first forward; a second "
+                    "forward before compaction (chunked prefill) is not supported"
+                )
+            self.keys, self.values = key_states, value_states
+        else:
+            self.ragged = self.ragged.append(key_states, value_states, self.query_positions)
+        self.seen += s
+        return tag(key_states, self), value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.ragged = None
+        self.observation = None
+        self.last_mass = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("CompactingCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("CompactingCache cannot be cropped (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("CompactingCache does not support num_return_sequences > 1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("CompactingCache does not support batch selection")
+
+    # ------------------------------------------------------------- attention
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Attention output ``(B, S, Hq, D)`` for this layer's current forward."""
+        owner = self.owner
+        if self.ragged is None:
+            out = causal_sdpa(module, query, key, value, scaling, **kwargs)
+            start = time.perf_counter()
+            self.observation = observe_prefill(query, key, owner.needs, owner.window_size, scaling)
+            owner.stats["observe_s"] += time.perf_counter() - start
+            if self.layer_idx == owner.num_layers - 1:
+                owner.compact()
+            return out
+        assert self.query_positions is not None
+        out, mass = ragged_attention(
+            query,
+            self.ragged,
+            self.query_positions,
+            scale=scaling,
+            return_key_mass=owner.wants_decode_mass,
+        )
+        if mass is not None:
+            self.last_mass = mass
+            if Need.CUMULATIVE_SCORES in owner.needs:
+                self.ragged.accumulate_scores(mass)
+        if self.layer_idx == owner.num_layers - 1:
+            owner.after_decode_step()
+        return out.transpose(1, 2).contiguous()
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds now (dense K/V before compaction, ragged after)."""
+        if self.ragged is not None:
+            return self.ragged.nbytes()
+        if self.keys is None or self.values is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+class CompactingCache(Cache):
+    """transformers ``Cache`` whose layers apply an lmcompact policy.
+
+    Args:
+        model: A Llama-family model switched to ``"lmcompact"`` attention
+            (:func:`~lmcompact.hf.attention.enable_lmcompact_attention`).
+        policy: A policy instance or a registered name.
+        budget: Budget for a policy given by name (ratio or tokens); None keeps
+            the policy's default.
+        window_size: Observation window ``W``; default the policy's own
+            ``window_size`` if it has one, else 32.
+        decode_slack: Decode-time policies re-plan a layer once its longest head
+            exceeds its post-prefill size by this many tokens (amortizes the cost;
+            0 re-plans every step).
+        decode_compaction: Whether decode-time policies run during generation.
+        tokenizer: Needed by policies that read token classes (FastGen).
+        **policy_params: Hyper-parameters for a policy given by name.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        policy: CompactionPolicy | str = "none",
+        *,
+        budget: float | int | str | None = None,
+        window_size: int | None = None,
+        decode_slack: int = 16,
+        decode_compaction: bool = True,
+        tokenizer: Any = None,
+        **policy_params: Any,
+    ) -> None:
+        config = model.config.get_text_config()
+        if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"the model uses {model.config._attn_implementation!r} attention; call "
+                "lmcompact.hf.enable_lmcompact_attention(model) first"
+            )
+        if decode_slack < 0:
+            raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
+        if isinstance(policy, str):
+            if budget is not None:
+                policy_params["budget"] = budget
+            policy = make_policy(policy, **policy_params)
+        elif budget is not None or policy_params:
+            raise ValueError("budget and policy parameters go with a policy name, not an instance")
+        self.policy = policy
+        self.needs: Need = policy.needs
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        own_window = getattr(policy, "window_size", None)
+        self.window_size = int(window_size or own_window or DEFAULT_WINDOW)
+        if self.window_size <= 0:
+            raise ValueError(f"window_size must be > 0, got {self.window_size}")
+        self.decode_slack = decode_slack
+        self.decode_compaction = decode_compaction and Phase.DECODE in policy.phases
+        self.wants_decode_mass = self.decode_compaction and bool(
+            self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
+        )
+        self.classifier: TokenClassifier | None = None
+        self._hook: Any = None
+        self._prompt_ids: torch.Tensor | None = None
+        if Need.TOKEN_CLASSES in self.needs:
+            if tokenizer is None:
+                raise ValueError(f"policy {policy.name!r} reads token classes: pass tokenizer=")
+            self.classifier = TokenClassifier(tokenizer)
+            self._hook = model.get_input_embeddings().register_forward_pre_hook(self._capture_ids)
+        self.plans: list[KeepPlan] | None = None
+        self.decode_targets: list[int] | None = None
+        self.stats: dict[str, float] = {
+            "observe_s": 0.0,
+            "compact_s": 0.0,
+            "decode_compact_s": 0.0,
+            "decode_compactions": 0.0,
+        }
+        layers: list[Any] = [CompactingLayer(self, i) for i in range(self.num_layers)]
+        super().__init__(layers=layers)
+
+    # ---------------------------------------------------------------- helpers
+    def _capture_ids(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if self._prompt_ids is None and args and isinstance(args[0], torch.Tensor):
+            self._prompt_ids = args[0].detach().cpu()
+
+    def _layers(self) -> list[CompactingLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompactingLayer)]
+
+    @property
+    def is_compacted(self) -> bool:
+        return self.plans is not None
+
+    def nbytes(self) -> int:
+        """Exact bytes held now: K, V and ragged metadata (positions, offsets, scores)."""
+        return sum(layer.nbytes() for layer in self._layers())
+
+    def full_nbytes(self) -> int:
+        """Bytes a full (uncompacted) dense cache of the same tokens would hold."""
+        total = 0
+        for layer in self._layers():
+            if self.plans is not None:
+                batch = len(self.plans)
+            elif layer.keys is not None:
+                batch = layer.keys.shape[0]
+            else:
+                continue
+            element = torch.empty((), dtype=layer.dtype).element_size()
+            total += 2 * batch * self.num_kv_heads * layer.seen * self.head_dim * element
+        return total
+
+    def kept_ratio(self) -> float:
+        """Kept fraction of the prompt's (layer, head, token) slots at the end of prefill."""
+        if self.plans is None:
+            return 1.0
+        return sum(p.total_kept for p in self.plans) / sum(p.total_slots for p in self.plans)
+
+    # ------------------------------------------------------------- compaction
+    def compact(self) -> None:
+        """End of prefill: plan every sequence and replace dense K/V with ragged K/V."""
+        start = time.perf_counter()
+        layers = self._layers()
+        first = layers[0]
+        assert first.keys is not None
+        batch, _, length, _ = first.keys.shape
+        plans = [self._plan_prefill(b, length) for b in range(batch)]
+        for index, layer in enumerate(layers):
+            assert layer.keys is not None and layer.values is not None
+            kept = [plan.kept[index] for plan in plans]
+            ragged = ragged_from_dense(layer.keys, layer.values, kept)
+            obs = layer.observation
+            if obs is not None and obs.cumulative_scores is not None:
+                ragged.scores = flat_scores_for(obs.cumulative_scores, kept)
+            layer.ragged = ragged
+            layer.keys = layer.values = None
+            layer.observation = None
+        self.plans = plans
+        everything = all(p.total_kept == p.total_slots for p in plans)
+        if self.decode_compaction and not everything:
+            self.decode_targets = [
+                max(int(p.kept_counts()[index].max()) for p in plans)
+                for index in range(len(layers))
+            ]
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.stats["compact_s"] += time.perf_counter() - start
+        logger.debug(
+            "compacted %d tokens with %s: kept %.3f of the slots",
+            length,
+            self.policy.name,
+            self.kept_ratio(),
+        )
+
+    def _plan_prefill(self, b: int, length: int) -> KeepPlan:
+        observations = []
+        for layer in self._layers():
+            assert layer.keys is not None and layer.values is not None
+            obs = layer.observation or PrefillObservation()
+            observations.append(
+                LayerObservation(
+                    keys=layer.keys[b] if Need.KEYS in self.needs else None,
+                    values=layer.values[b] if Need.KEYS in self.needs else None,
+                    window_scores=None if obs.window_scores is None else obs.window_scores[b],
+                    window_attention=(
+                        None if obs.window_attention is None else obs.window_attention[b]
+                    ),
+                    cumulative_scores=(
+                        None if obs.cumulative_scores is None else obs.cumulative_scores[b]
+                    ),
+                )
+            )
+        special = punct = None
+        if self.classifier is not None:
+            if self._prompt_ids is None or self._prompt_ids.shape[-1] != length:
+                raise ValueError("token classes need input_ids (not inputs_embeds) in the prompt")
+            special, punct = self.classifier.masks(self._prompt_ids[b])
+        inputs = CompactionInputs(
+            num_candidates=length,
+            num_kv_heads=self.num_kv_heads,
+            layers=observations,
+            special_mask=special,
+            punctuation_mask=punct,
+        )
+        plan = self.policy.plan(inputs)
+        plan.validate_for(self.num_layers, self.num_kv_heads, length)
+        return plan
+
+    def after_decode_step(self) -> None:
+        """Re-plan layers whose longest head outgrew its target (decode-time policies)."""
+        if self.decode_targets is None:
+            return
+        start = time.perf_counter()
+        replanned = False
+        for layer, target in zip(self._layers(), self.decode_targets, strict=True):
+            assert layer.ragged is not None
+            if int(layer.ragged.lengths().max()) > target + self.decode_slack:
+                layer.ragged = self._replan_layer(layer.ragged, layer.last_mass, target)
+                replanned = True
+            layer.last_mass = None
+        if replanned:
+            self.stats["decode_compactions"] += 1
+            self.stats["decode_compact_s"] += time.perf_counter() - start
+
+    def _replan_layer(
+        self, ragged: RaggedLayer, mass: torch.Tensor | None, target: int
+    ) -> RaggedLayer:
+        keys, values, positions, valid = ragged.padded()
+        padded_mass = None if mass is None else pad_flat(ragged, mass)
+        padded_scores = None if ragged.scores is None else pad_flat(ragged, ragged.scores)
+        keep: list[torch.Tensor] = []
+        for b in range(ragged.batch_size):
+            window = None if padded_mass is None else padded_mass[b]
+            obs = LayerObservation(
+                keys=keys[b] if Need.KEYS in self.needs else None,
+                values=values[b] if Need.KEYS in self.needs else None,
+                window_scores=window if Need.WINDOW_SCORES in self.needs else None,
+                window_attention=(
+                    window[:, None, :]
+                    if window is not None and Need.WINDOW_ATTENTION in self.needs
+                    else None
+                ),
+                cumulative_scores=padded_scores[b] if padded_scores is not None else None,
+            )
+            inputs = CompactionInputs(
+                num_candidates=keys.shape[2],
+                num_kv_heads=self.num_kv_heads,
+                layers=[obs],
+                positions=positions[b].clamp(min=0),
+                valid=valid[b],
+                budget_tokens=target,
+            )
+            plan = self.policy.plan(inputs)
+            keep.extend(plan.kept[0])
+        return ragged.gather(keep)

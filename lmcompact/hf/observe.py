@@ -1,0 +1,117 @@
+"""Turn what the attention forward saw into policy inputs.
+
+Prefill: the last ``W`` post-RoPE queries of each layer are scored against the
+prompt's keys with :func:`~lmcompact.attention.scores.window_scores` (chunked,
+no ``T x T`` matrix); H2O's cumulative mass uses
+:func:`~lmcompact.attention.scores.cumulative_scores`. Decode: the ragged
+reference attention returns the mass each kept key got from the new query,
+which stands in for the window of one query (TOVA's rule) and accumulates for
+H2O. Token classes (special, punctuation) come from the prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcompact.attention.scores import cumulative_scores, window_scores
+from lmcompact.layout.ragged import RaggedLayer
+from lmcompact.policies.base import Need
+
+_PUNCTUATION = set(string.punctuation) | {"\u2019", "\u201c", "\u201d", "\u2014", "\u2013"}
+
+
+@dataclass
+class PrefillObservation:
+    """One layer's scores from the prefill forward (batch-first).
+
+    Attributes:
+        window_scores: ``(B, Hkv, T)`` window mass, or None.
+        window_attention: ``(B, Hkv, W, T)`` per-query window rows, or None.
+        cumulative_scores: ``(B, Hkv, T)`` mass over every prompt query, or None.
+    """
+
+    window_scores: torch.Tensor | None = None
+    window_attention: torch.Tensor | None = None
+    cumulative_scores: torch.Tensor | None = None
+
+
+def observe_prefill(
+    queries: torch.Tensor, keys: torch.Tensor, needs: Need, window: int, scale: float
+) -> PrefillObservation:
+    """Scores a policy asked for, from one layer's prefill queries and keys.
+
+    Args:
+        queries: ``(B, Hq, T, D)`` post-RoPE queries of the whole prompt.
+        keys: ``(B, Hkv, T, D)`` post-RoPE keys.
+        needs: The policy's needs; only these are computed.
+        window: Observation window length ``W`` (clipped to ``T``).
+        scale: Softmax scale of the model's attention.
+    """
+    obs = PrefillObservation()
+    t = keys.shape[2]
+    wants_rows = Need.WINDOW_ATTENTION in needs
+    if Need.WINDOW_SCORES in needs or wants_rows:
+        w = max(1, min(window, t))
+        mass, rows = window_scores(
+            queries[:, :, t - w :], keys, scale=scale, return_attention=wants_rows
+        )
+        obs.window_scores = mass
+        obs.window_attention = rows
+    if Need.CUMULATIVE_SCORES in needs:
+        obs.cumulative_scores = cumulative_scores(queries, keys, scale=scale)
+    return obs
+
+
+def pad_flat(layer: RaggedLayer, flat: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Lay a per-token ``(N,)`` tensor out like :meth:`RaggedLayer.padded`: ``(B, H, L)``."""
+    lengths = layer.lengths()
+    b, h = lengths.shape
+    width = int(lengths.max()) if lengths.numel() else 0
+    seg = layer.segment_ids()
+    local = torch.arange(layer.num_tokens, device=flat.device) - layer.cu_seqlens[seg]
+    out = torch.full((b * h, width), fill, dtype=flat.dtype, device=flat.device)
+    out[seg, local] = flat
+    return out.view(b, h, width)
+
+
+def flat_scores_for(
+    cumulative: torch.Tensor, kept: Sequence[Sequence[torch.Tensor]]
+) -> torch.Tensor:
+    """Ragged-ordered ``(N,)`` scores of the kept tokens from dense ``(B, H, T)`` scores."""
+    parts = [
+        cumulative[b, h, idx.to(cumulative.device)]
+        for b, heads in enumerate(kept)
+        for h, idx in enumerate(heads)
+    ]
+    return torch.cat(parts).float() if parts else cumulative.new_zeros(0)
+
+
+class TokenClassifier:
+    """Special-token and punctuation masks for token ids, cached per id.
+
+    Args:
+        tokenizer: A transformers tokenizer (``all_special_ids``, ``decode``).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+        self._punct: dict[int, bool] = {}
+
+    def is_punctuation(self, token_id: int) -> bool:
+        if token_id not in self._punct:
+            text = self.tokenizer.decode([token_id]).strip()
+            self._punct[token_id] = bool(text) and all(ch in _PUNCTUATION for ch in text)
+        return self._punct[token_id]
+
+    def masks(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T,)`` special and punctuation masks of one sequence's ids ``(T,)``."""
+        values = [int(i) for i in ids.tolist()]
+        special = torch.tensor([i in self.special for i in values], dtype=torch.bool)
+        punct = torch.tensor([self.is_punctuation(i) for i in values], dtype=torch.bool)
+        return special, punct
