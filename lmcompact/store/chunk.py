@@ -212,7 +212,8 @@ class CompactedChunk:
         """Copy positions | keys | values into ``buffer`` (uint8, ``payload_nbytes`` long).
 
         Returns:
-            A chunk whose tensors are views of ``buffer`` (kept_counts is cloned).
+            A chunk whose tensors are views of ``buffer`` (kept_counts is shared: chunks
+            are immutable once stored).
         """
         out = unpack_views(
             buffer,
@@ -224,7 +225,28 @@ class CompactedChunk:
         out[0].copy_(self.positions)
         out[1].copy_(self.keys)
         out[2].copy_(self.values)
-        return CompactedChunk(out[1], out[2], self.kept_counts.clone(), out[0], self.num_tokens)
+        return CompactedChunk._trusted(out[1], out[2], self.kept_counts, out[0], self.num_tokens)
+
+    @classmethod
+    def _trusted(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kept_counts: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens: int,
+    ) -> CompactedChunk:
+        """Build without re-validating (copies of an already validated chunk)."""
+        obj = object.__new__(cls)
+        for name, value in (
+            ("keys", keys),
+            ("values", values),
+            ("kept_counts", kept_counts),
+            ("positions", positions),
+            ("num_tokens", num_tokens),
+        ):
+            object.__setattr__(obj, name, value)
+        return obj
 
 
 def packed_nbytes(total_kept: int, k_dim: int, v_dim: int, element_size: int) -> int:
@@ -240,7 +262,7 @@ def unpack_views(
     Sections start at multiples of 4 bytes then of the element size, so the dtype views are
     aligned whenever ``buffer`` itself is.
     """
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     a = 4 * total_kept
     b = a + elt * total_kept * k_dim
     c = b + elt * total_kept * v_dim

@@ -209,7 +209,7 @@ class ChunkCodec:
             raise TruncatedEntryError(f"value of {len(mv)} bytes ends inside its header")
         h = self._parse_header(mv[_PREFIX.size : _PREFIX.size + hlen])
         dtype = SUPPORTED_DTYPES[h["dt"]]
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = dtype.itemsize
         expected = packed_nbytes(h["n"], h["dk"], h["dv"], elt)
         if h["plen"] != expected:
             raise ShapeMismatchError(

@@ -89,8 +89,12 @@ def test_keys_are_stable_across_processes():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
-        [sys.executable, "-c", key_script()], env=env, capture_output=True, text=True,
-        check=True, timeout=120,
+        [sys.executable, "-c", key_script()],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     assert out.stdout.strip().split(",") == [k.hex() for k in KEYS]
 
@@ -105,7 +109,9 @@ def rewrite_header(value: bytes, **changes) -> bytes:
     header.update(changes)
     packed = msgpack.packb(header, use_bin_type=True)
     payload = value[8 + hlen + (-(8 + hlen) % 16) :]
-    return b"LMCK" + struct.pack("<I", len(packed)) + packed + bytes(-(8 + len(packed)) % 16) + payload
+    return (
+        b"LMCK" + struct.pack("<I", len(packed)) + packed + bytes(-(8 + len(packed)) % 16) + payload
+    )
 
 
 @pytest.mark.parametrize(
@@ -114,8 +120,10 @@ def rewrite_header(value: bytes, **changes) -> bytes:
         (lambda v: v[:400] + bytes([v[400] ^ 0x10]) + v[401:], "checksum_mismatch"),
         (lambda v: v[: len(v) // 2], "truncated"),
         (lambda v: rewrite_header(v, v=2), "unsupported_version"),
-        (lambda v: ChunkCodec(make_namespace(model_id="other")).encode(make_chunk(0)),
-         "foreign_namespace"),
+        (
+            lambda v: ChunkCodec(make_namespace(model_id="other")).encode(make_chunk(0)),
+            "foreign_namespace",
+        ),
         (lambda v: v[:-5] + bytes([v[-5] ^ 1]) + v[-4:], "checksum_mismatch"),
     ],
 )
@@ -160,8 +168,15 @@ def test_unreachable_at_start_never_raises():
     tier = redis_tier(url)
     assert not tier.healthy
     assert tier.get(KEYS[0]) is None and tier.put(KEYS[0], make_chunk(0)) is False
-    store = TieredStore(NS, StoreConfig(cpu_capacity_bytes=1 << 20, redis_url=url,
-                                        redis_backoff_initial_s=0.05, redis_backoff_max_s=0.1))
+    store = TieredStore(
+        NS,
+        StoreConfig(
+            cpu_capacity_bytes=1 << 20,
+            redis_url=url,
+            redis_backoff_initial_s=0.05,
+            redis_backoff_max_s=0.1,
+        ),
+    )
     assert store.put(KEYS[0], make_chunk(0))  # the CPU tier took it
     assert store.get(KEYS[1]) is None
     assert store.lookup_prefix(KEYS[:3]) == 1
@@ -169,9 +184,12 @@ def test_unreachable_at_start_never_raises():
 
 
 def test_store_survives_redis_kill_and_reads_back_after_restart(redis_server):
-    cfg = StoreConfig(cpu_capacity_bytes=2 * make_chunk(0).payload_nbytes,
-                      redis_url=redis_server.url, redis_backoff_initial_s=0.05,
-                      redis_backoff_max_s=0.1)
+    cfg = StoreConfig(
+        cpu_capacity_bytes=2 * make_chunk(0).payload_nbytes,
+        redis_url=redis_server.url,
+        redis_backoff_initial_s=0.05,
+        redis_backoff_max_s=0.1,
+    )
     with TieredStore(NS, cfg) as store:
         for i in range(4):
             assert store.put(KEYS[i], make_chunk(i))
@@ -220,8 +238,12 @@ def test_redis_capacity_limit_with_lru():
 
 def test_concurrent_threads_no_lost_or_mixed_entries(redis_server):
     size = make_chunk(0).payload_nbytes
-    cfg = StoreConfig(cpu_capacity_bytes=5 * size, redis_url=redis_server.url,
-                      redis_queue_size=256, redis_queue_timeout_s=5.0)
+    cfg = StoreConfig(
+        cpu_capacity_bytes=5 * size,
+        redis_url=redis_server.url,
+        redis_queue_size=256,
+        redis_queue_timeout_s=5.0,
+    )
     errors: list[str] = []
     with TieredStore(NS, cfg) as store:
 

@@ -8,13 +8,23 @@ from lmcompact.store import CompactedChunk, StoreNamespace
 
 
 def make_namespace(**changes: object) -> StoreNamespace:
-    fields: dict[str, object] = {"model_id": "test-model", "kv_dtype": "bfloat16", "kv_layout": "test"}
+    fields: dict[str, object] = {
+        "model_id": "test-model",
+        "kv_dtype": "bfloat16",
+        "kv_layout": "test",
+    }
     fields.update(changes)
     return StoreNamespace(**fields)  # type: ignore[arg-type]
 
 
-def make_chunk(seed: int, layers: int = 2, heads: int = 3, kept: int = 8, dim: int = 16,
-               dtype: torch.dtype = torch.float32) -> CompactedChunk:
+def make_chunk(
+    seed: int,
+    layers: int = 2,
+    heads: int = 3,
+    kept: int = 8,
+    dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> CompactedChunk:
     """A uniform chunk whose contents are a function of ``seed``."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(layers, heads, kept, dim, generator=g).to(dtype)

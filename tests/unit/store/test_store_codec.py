@@ -49,8 +49,9 @@ def chunks(draw):
     layers = draw(st.integers(1, 4))
     heads = draw(st.integers(1, 4))
     num_tokens = draw(st.integers(1, 24))
-    counts = draw(st.lists(st.integers(0, num_tokens), min_size=layers * heads,
-                           max_size=layers * heads))
+    counts = draw(
+        st.lists(st.integers(0, num_tokens), min_size=layers * heads, max_size=layers * heads)
+    )
     dk = draw(st.integers(1, 9))
     dv = draw(st.integers(1, 9))
     dtype = SUPPORTED_DTYPES[draw(st.sampled_from(DTYPES))]
@@ -109,16 +110,22 @@ def rewrite_header(value: bytes, **changes) -> bytes:
     ("damage", "error", "reason"),
     [
         (lambda v: b"XXXX" + v[4:], BadMagicError, "bad_magic"),
-        (lambda v: v[:4] + struct.pack("<I", 1 << 30) + v[8:], HeaderTooLargeError,
-         "header_too_large"),
+        (
+            lambda v: v[:4] + struct.pack("<I", 1 << 30) + v[8:],
+            HeaderTooLargeError,
+            "header_too_large",
+        ),
         (lambda v: rewrite_header(v, v=99), UnsupportedVersionError, "unsupported_version"),
         (lambda v: rewrite_header(v, ns=b"\0" * 16), ForeignNamespaceError, "foreign_namespace"),
         (lambda v: v[:-1], TruncatedEntryError, "truncated"),
         (lambda v: v + b"\0", ShapeMismatchError, "shape_mismatch"),
         (lambda v: rewrite_header(v, plen=8), ShapeMismatchError, "shape_mismatch"),
         (lambda v: rewrite_header(v, dk=8), ShapeMismatchError, "shape_mismatch"),
-        (lambda v: v[:-3] + bytes([v[-3] ^ 0xFF]) + v[-2:], ChecksumMismatchError,
-         "checksum_mismatch"),
+        (
+            lambda v: v[:-3] + bytes([v[-3] ^ 0xFF]) + v[-2:],
+            ChecksumMismatchError,
+            "checksum_mismatch",
+        ),
     ],
 )
 def test_each_refusal_has_its_class_and_counter(damage, error, reason):
@@ -171,11 +178,17 @@ def test_dense_helpers_round_trip():
 def test_chunk_validation():
     k = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="kept_counts sum"):
-        CompactedChunk(k, k, torch.tensor([[3]], dtype=torch.int32),
-                       torch.zeros(4, dtype=torch.int32), 4)
+        CompactedChunk(
+            k, k, torch.tensor([[3]], dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4
+        )
     with pytest.raises(ValueError, match="not supported"):
-        CompactedChunk(k.double(), k.double(), torch.tensor([[4]], dtype=torch.int32),
-                       torch.zeros(4, dtype=torch.int32), 4)
+        CompactedChunk(
+            k.double(),
+            k.double(),
+            torch.tensor([[4]], dtype=torch.int32),
+            torch.zeros(4, dtype=torch.int32),
+            4,
+        )
 
 
 def test_checksum_choice_is_validated():

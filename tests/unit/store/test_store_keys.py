@@ -113,8 +113,9 @@ def test_namespace_is_hashable_and_frozen():
 def test_lookup_prefix_counts_consecutive_hits():
     ns = make_namespace()
     keys = chunk_keys(list(range(256 * 5)), ns, 256)
-    store = TieredStore(ns, StoreConfig(gpu_capacity_bytes=1 << 20, cpu_capacity_bytes=1 << 20,
-                                        gpu_device="cpu"))
+    store = TieredStore(
+        ns, StoreConfig(gpu_capacity_bytes=1 << 20, cpu_capacity_bytes=1 << 20, gpu_device="cpu")
+    )
     assert store.lookup_prefix(keys) == 0
     store.put(keys[0], make_chunk(0))
     store.tier("cpu").put(keys[1], make_chunk(1))  # lower tier only

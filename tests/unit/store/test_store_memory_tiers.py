@@ -164,8 +164,9 @@ def test_config_needs_a_tier():
 
 
 def test_store_promotes_hits_upward():
-    cfg = StoreConfig(gpu_capacity_bytes=2 * CHUNK_BYTES, gpu_device="cpu",
-                      cpu_capacity_bytes=8 * CHUNK_BYTES)
+    cfg = StoreConfig(
+        gpu_capacity_bytes=2 * CHUNK_BYTES, gpu_device="cpu", cpu_capacity_bytes=8 * CHUNK_BYTES
+    )
     with TieredStore(NS, cfg) as store:
         gpu, cpu = store.tier("gpu"), store.tier("cpu")
         for i in range(4):

@@ -30,8 +30,7 @@ class GatedTier(CPUTier):
 
 def test_back_pressure_drops_and_counts_without_blocking_long():
     slow = GatedTier()
-    cfg = StoreConfig(cpu_capacity_bytes=100 * SIZE, redis_queue_size=2,
-                      redis_queue_timeout_s=0.05)
+    cfg = StoreConfig(cpu_capacity_bytes=100 * SIZE, redis_queue_size=2, redis_queue_timeout_s=0.05)
     store = TieredStore(NS, cfg, tiers=[CPUTier(100 * SIZE, pin_memory=False), slow])
     start = time.monotonic()
     results = [store.put(KEYS[i], make_chunk(i)) for i in range(8)]
