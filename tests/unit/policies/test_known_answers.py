@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+from lmcompact.policies import Budget, CompactionInputs, LayerObservation, make_policy
 from lmcompact.policies.adakv import AdaKV
 from lmcompact.policies.duoattention import (
     DuoAttention,
@@ -155,7 +155,9 @@ def test_pyramidkv_budgets_form_a_pyramid_with_the_mean_budget() -> None:
     assert sum(budgets) == 4 * 40
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > 2 * budgets[-1]
     assert [b - 8 for b in budgets] == [62, 42, 22, 2]
-    assert PyramidKV(budget=40, window_size=8, beta=1).layer_budgets(inputs) == [40] * 4
+    assert (
+        PyramidKV(budget=Budget(tokens=40), window_size=8, beta=1).layer_budgets(inputs) == [40] * 4
+    )
 
 
 # ----------------------------------------------------------------- DuoAttention
