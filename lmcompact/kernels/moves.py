@@ -109,7 +109,7 @@ class DefragPlan:
         num_blocks: ``(B,)`` blocks each request holds after the move.
         lengths: New lengths: kept unchanged, the tail right after the kept
             region (block-aligned), no hole.
-        blocks_before: Distinct blocks the live tokens used before.
+        blocks_before: Distinct blocks the requests held before (hole included).
         blocks_after: Blocks they use after.
         freed_blocks: Ids used before and free after (sorted).
     """
@@ -123,14 +123,14 @@ class DefragPlan:
     freed_blocks: torch.Tensor
 
 
-def _live_blocks(table: torch.Tensor, lengths: PagedLengths, block_size: int) -> torch.Tensor:
-    """Sorted distinct block ids holding live slots (kept region and tail)."""
-    used: list[torch.Tensor] = []
-    kept_max = lengths.kept.max(dim=1).values.tolist() if lengths.kept.numel() else []
-    starts, ends = lengths.tail_start.tolist(), lengths.seq_len.tolist()
-    for b, kmax in enumerate(kept_max):
-        used.append(table[b, : -(-int(kmax) // block_size)])
-        used.append(table[b, starts[b] // block_size : -(-ends[b] // block_size)])
+def _held_blocks(table: torch.Tensor, lengths: PagedLengths, block_size: int) -> torch.Tensor:
+    """Sorted distinct block ids the requests hold: their first ``ceil(seq_len / bs)`` entries.
+
+    Hole entries count as held: a request that still holds its hole's blocks
+    gets them back through the defragmentation.
+    """
+    ends = lengths.seq_len.tolist()
+    used = [table[b, : -(-int(end) // block_size)] for b, end in enumerate(ends)]
     if not used:
         return torch.empty(0, dtype=torch.int64)
     return torch.unique(torch.cat(used).long().cpu())
@@ -151,8 +151,9 @@ def plan_defragment(
         blocks:    0: k k k k   1: k . . .   2: t t t .
 
     The new ids are handed out request after request from 0, so the free
-    blocks form one range at the top of the pool (free-and-reallocate). Blocks
-    referenced by no request in ``block_table`` count as free already.
+    blocks form one range at the top of the pool (free-and-reallocate). A
+    request holds the first ``ceil(seq_len / bs)`` entries of its table row,
+    hole included; blocks referenced by no request count as free already.
 
     Args:
         block_table: ``(B, max_blocks)`` current block ids.
@@ -198,7 +199,7 @@ def plan_defragment(
         dst_start=torch.tensor(dst_start, dtype=torch.int64, device=device),
         max_count=max(counts, default=0),
     )
-    before = _live_blocks(block_table, lengths, block_size)
+    before = _held_blocks(block_table, lengths, block_size)
     after = torch.arange(int(need.sum()), dtype=torch.int64)
     freed = before[~torch.isin(before, after)]
     new_lengths = PagedLengths(

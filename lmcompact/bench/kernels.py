@@ -1,0 +1,470 @@
+"""``lmcompact bench kernels``: the Triton kernels against torch baselines on one GPU.
+
+Every ratio compares timings taken in the same run (``triton.testing.do_bench``,
+median). Bandwidth fractions divide achieved bytes/s (bytes read + written)
+by the bandwidth of a large device-to-device copy measured at the start.
+
+    window scores     kernel vs SDPA forward of the same window queries (no scores)
+                      and vs the eager full-matrix way (``window_scores_naive``)
+    ragged decode     per-head paged decode vs copy bandwidth and vs dense SDPA
+                      over the same number of kept tokens
+    compaction copy   packing kept tokens into a destination pool vs copy bandwidth
+    defragmentation   blocks freed and time
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+NAME = "kernels"
+HELP = "time the Triton kernels (window scores, paged attention, compaction) on CUDA"
+
+log = logging.getLogger(__name__)
+
+GOALS = {
+    "window_scores_vs_sdpa": ("<=", 1.5),
+    "window_scores_vs_eager": (">=", 10.0),
+    "ragged_decode_bw_fraction": (">=", 0.7),
+    "ragged_decode_vs_dense_sdpa": ("<=", 1.2),
+    "compaction_copy_bw_fraction": (">=", 0.7),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", default=None, help="write results as JSON here ('-' = stdout)")
+    parser.add_argument("--plot", default=None, help="write a PNG of the T sweep here")
+    parser.add_argument("--window", type=int, default=64, help="window queries W")
+    parser.add_argument("--seq-len", type=int, default=32768, help="T of the headline scores")
+    parser.add_argument(
+        "--sweep",
+        default="8192,16384,32768,65536,131072",
+        help="comma-separated T values of the window-scores sweep",
+    )
+    parser.add_argument("--decode-batch", type=int, default=32)
+    parser.add_argument("--decode-prefix", type=int, default=8192)
+    parser.add_argument(
+        "--variants", action="store_true", help="also time alternative tile configurations"
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+
+
+def _bench(fn: Any, rep: int = 100) -> float:
+    import triton  # type: ignore[import-untyped]
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def _copy_bandwidth(nbytes: int) -> dict[str, float]:
+    import torch
+
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return {"bytes": 2.0 * nbytes, "ms": ms, "GBps": 2.0 * nbytes / ms / 1e6}
+
+
+def _sdpa(q: Any, k: Any, v: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _sdpa_ms(q: Any, k: Any, v: Any) -> tuple[float, str]:
+    """Median ms of SDPA forward (GQA), on the flash backend when it takes the shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            _sdpa(q, k, v)
+            return _bench(lambda: _sdpa(q, k, v)), "flash"
+    except RuntimeError as exc:
+        log.warning("flash SDPA refused these shapes (%s); timing the default backend", exc)
+        return _bench(lambda: _sdpa(q, k, v)), "default"
+
+
+def _window_row(t: int, w: int, args: argparse.Namespace, eager: bool) -> dict[str, Any]:
+    import torch
+
+    from lmcompact.attention.scores import window_scores_naive
+    from lmcompact.kernels import window_scores as ws
+
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    q = torch.randn(1, hq, w, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, hkv, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    row: dict[str, Any] = {"T": t, "W": w, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+    row["kernel_ms"] = _bench(lambda: ws.window_scores(q, k))
+    row["sdpa_ms"], row["sdpa_backend"] = _sdpa_ms(q, k, v)
+    row["vs_sdpa"] = row["kernel_ms"] / row["sdpa_ms"]
+    if eager:
+        row["eager_ms"] = _bench(lambda: window_scores_naive(q, k), rep=50)
+        row["vs_eager"] = row["eager_ms"] / row["kernel_ms"]
+    row["K_bytes"] = k.numel() * k.element_size()
+    if args.variants and t == args.seq_len:
+        variants: list[dict[str, Any]] = []
+        for bm, bn, nw, ns in (
+            (64, 128, 4, 2),
+            (64, 64, 4, 2),
+            (128, 128, 8, 2),
+            (64, 256, 8, 2),
+            (128, 64, 4, 3),
+            (32, 128, 4, 2),
+        ):
+            ms = _bench(
+                lambda bm=bm, bn=bn, nw=nw, ns=ns: ws.window_scores(
+                    q, k, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns
+                )
+            )
+            variants.append(
+                {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "ms": ms}
+            )
+        row["variants"] = variants
+    return row
+
+
+def _decode_case(
+    batch: int,
+    prefix: int,
+    ragged: bool,
+    seed: int,
+    *,
+    kept_range: tuple[float, float] = (0.25, 1.0),
+    hold_hole: bool = False,
+) -> dict[str, Any]:
+    """A large compacted decode batch built on the GPU (random data).
+
+    Kept counts per head are uniform in ``kept_range * prefix`` (ragged) or half
+    the prefix (uniform). With ``hold_hole`` the hole keeps distinct blocks (a
+    request that has not given them back yet), else its entries share one block.
+    """
+    import torch
+
+    from lmcompact.layout.paged import PagedLengths, vllm_kv_views
+
+    hkv, group, d, bs, tail = 8, 4, 128, 16, 64
+    gen = torch.Generator().manual_seed(seed)
+    if ragged:
+        lo, hi = kept_range
+        kept = (torch.rand(batch, hkv, generator=gen) * (hi - lo) + lo) * prefix
+        kept = kept.long().clamp(1, prefix)
+        kept[0, 0] = 0  # an empty head
+        kept[0, 1] = 1  # a single-token head
+    else:
+        kept = torch.full((batch, hkv), prefix // 2, dtype=torch.long)
+    kept_blocks = -(-kept.max(dim=1).values // bs)
+    tail_blocks = -(-tail // bs)
+    width = prefix // bs + tail_blocks
+    num_blocks = int(kept_blocks.sum()) + batch * tail_blocks + 1
+    if hold_hole:
+        num_blocks = batch * width
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((batch, width), int(order[-1]), dtype=torch.int32)
+    nxt = 0
+    for b in range(batch):
+        n = width if hold_hole else int(kept_blocks[b])
+        table[b, :n] = order[nxt : nxt + n].to(torch.int32)
+        nxt += n
+        if not hold_hole:
+            table[b, prefix // bs :] = order[nxt : nxt + tail_blocks].to(torch.int32)
+            nxt += tail_blocks
+    cache = torch.randn(num_blocks, hkv, bs, 2 * d, dtype=torch.bfloat16, device="cuda")
+    k_pool, v_pool = vllm_kv_views(cache)
+    lengths = PagedLengths(
+        kept=kept.to(torch.int32).cuda(),
+        tail_start=torch.full((batch,), prefix, dtype=torch.int32, device="cuda"),
+        seq_len=torch.full((batch,), prefix + tail, dtype=torch.int32, device="cuda"),
+    )
+    queries = torch.randn(batch, hkv * group, d, dtype=torch.bfloat16, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    return {
+        "queries": queries,
+        "cache": cache,
+        "k": k_pool,
+        "v": v_pool,
+        "table": table.cuda(),
+        "cu": cu,
+        "lengths": lengths,
+        "group": group,
+    }
+
+
+def _decode_rows(args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
+    import torch
+
+    from lmcompact.kernels import paged_attention as pa
+
+    result: dict[str, Any] = {}
+    for ragged in (True, False):
+        c = _decode_case(args.decode_batch, args.decode_prefix, ragged, seed=1)
+        lengths = c["lengths"]
+        visible = int(lengths.visible().sum())
+        max_visible = int(lengths.visible().max())
+        d = c["queries"].shape[-1]
+        kv_bytes = visible * 2 * d * 2
+        io_bytes = 2 * c["queries"].numel() * 2
+        call_args = (c["queries"], c["k"], c["v"], c["table"], c["cu"], lengths)
+        ms = _bench(
+            lambda a=call_args, mv=max_visible: pa.paged_attention(*a, max_q_len=1, max_visible=mv)
+        )
+        mass_ms = _bench(
+            lambda a=call_args, mv=max_visible: pa.paged_attention(
+                *a, max_q_len=1, max_visible=mv, return_key_mass=True
+            )
+        )
+        b, hq, _ = c["queries"].shape
+        hkv = hq // c["group"]
+        dense_len = max(1, round(visible / (b * hkv)))
+        dk = torch.randn(b, hkv, dense_len, d, dtype=torch.bfloat16, device="cuda")
+        dv = torch.randn_like(dk)
+        dq = c["queries"].view(b, hq, 1, d)
+        sdpa_ms, backend = _sdpa_ms(dq, dk, dv)
+        row: dict[str, Any] = {
+            "batch": b,
+            "q_heads": hq,
+            "kv_heads": hkv,
+            "head_dim": d,
+            "block_size": 16,
+            "layout": "vllm-0.26 (num_blocks, kv_heads, block_size, 2*head_dim)",
+            "prefix": args.decode_prefix,
+            "visible_tokens": visible,
+            "kv_bytes": kv_bytes,
+            "ms": ms,
+            "GBps": (kv_bytes + io_bytes) / ms / 1e6,
+            "bw_fraction": (kv_bytes + io_bytes) / ms / 1e6 / copy_gbps,
+            "with_key_mass_ms": mass_ms,
+            "dense_sdpa_tokens_per_head": dense_len,
+            "dense_sdpa_ms": sdpa_ms,
+            "dense_sdpa_backend": backend,
+            "vs_dense_sdpa": ms / sdpa_ms,
+        }
+        if args.variants and ragged:
+            variants: list[dict[str, Any]] = []
+            for bn, nw, ns, splits in (
+                (64, 4, 3, None),
+                (128, 4, 3, None),
+                (64, 4, 4, None),
+                (32, 4, 4, None),
+                (64, 8, 3, None),
+                (64, 4, 3, 8),
+                (64, 4, 3, 16),
+                (128, 8, 3, 8),
+                (64, 4, 2, 4),
+            ):
+                try:
+                    v_ms = _bench(
+                        lambda a=call_args, mv=max_visible, bn=bn, nw=nw, ns=ns, sp=splits: (
+                            pa.paged_attention(
+                                *a,
+                                max_q_len=1,
+                                max_visible=mv,
+                                block_n=bn,
+                                num_warps=nw,
+                                num_stages=ns,
+                                num_splits=sp,
+                            )
+                        )
+                    )
+                except Exception as exc:  # a config that does not compile is reported
+                    variants.append(
+                        {
+                            "block_n": bn,
+                            "num_warps": nw,
+                            "num_stages": ns,
+                            "num_splits": splits,
+                            "error": repr(exc)[:200],
+                        }
+                    )
+                    continue
+                variants.append(
+                    {
+                        "block_n": bn,
+                        "num_warps": nw,
+                        "num_stages": ns,
+                        "num_splits": splits,
+                        "ms": v_ms,
+                        "bw_fraction": (kv_bytes + io_bytes) / v_ms / 1e6 / copy_gbps,
+                    }
+                )
+            row["variants"] = variants
+        result["ragged" if ragged else "uniform"] = row
+        del c, dk, dv, call_args
+        torch.cuda.empty_cache()
+    return result
+
+
+def _compaction_rows(args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    from lmcompact.kernels import compaction_copy as cc
+    from lmcompact.kernels.moves import compaction_moves, plan_defragment
+
+    c = _decode_case(args.decode_batch, args.decode_prefix, ragged=True, seed=2)
+    k, v, table, lengths = c["k"], c["v"], c["table"], c["lengths"]
+    b, hkv = lengths.kept.shape
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    keep = []
+    kept_cpu = lengths.kept.cpu()
+    for s in range(b * hkv):
+        n = int(kept_cpu.view(-1)[s])
+        scores = torch.rand(n, device="cuda", generator=gen)
+        keep.append(torch.nonzero(scores < 0.5).flatten())  # about half of the kept slots
+    moves = compaction_moves(keep, hkv)
+    moved = moves.num_tokens
+    d = k.shape[-1]
+    payload = 2 * moved * 2 * d * 2  # K and V, read + write, bf16
+    dst_cache = torch.empty_like(c["cache"])
+    from lmcompact.layout.paged import vllm_kv_views
+
+    dk, dv = vllm_kv_views(dst_cache)
+    to_pool_ms = _bench(lambda: cc.move_slots(k, v, table, dk, dv, table, moves))
+    in_place_ms = _bench(lambda: cc.move_slots(k, v, table, k, v, table, moves))
+    result: dict[str, Any] = {
+        "compaction": {
+            "moved_tokens": moved,
+            "payload_bytes": payload,
+            "to_pool_ms": to_pool_ms,
+            "to_pool_GBps": payload / to_pool_ms / 1e6,
+            "bw_fraction": payload / to_pool_ms / 1e6 / copy_gbps,
+            "in_place_staged_ms": in_place_ms,
+            "in_place_effective_GBps": payload / in_place_ms / 1e6,
+        }
+    }
+    c = _decode_case(
+        args.decode_batch,
+        args.decode_prefix,
+        ragged=True,
+        seed=4,
+        kept_range=(0.1, 0.5),
+        hold_hole=True,
+    )
+    k, v, table, lengths = c["k"], c["v"], c["table"], c["lengths"]
+    start = time.perf_counter()
+    plan = plan_defragment(table, lengths, k.shape[1])
+    plan_s = time.perf_counter() - start
+    width = max(table.shape[1], plan.block_table.shape[1])
+    old = torch.zeros(b, width, dtype=table.dtype, device="cuda")
+    new = torch.zeros_like(old)
+    old[:, : table.shape[1]] = table
+    new[:, : plan.block_table.shape[1]] = plan.block_table.to(table.dtype)
+    defrag_ms = _bench(lambda: cc.move_slots(k, v, old, k, v, new, plan.moves))
+    dpayload = 2 * plan.moves.num_tokens * 2 * d * 2
+    result["defragment"] = {
+        "requests": b,
+        "kept_fraction_per_head": "uniform in [0.1, 0.5] of the prefix",
+        "pool_blocks": int(c["cache"].shape[0]),
+        "blocks_before": plan.blocks_before,
+        "blocks_after": plan.blocks_after,
+        "blocks_freed": plan.blocks_before - plan.blocks_after,
+        "moved_tokens": plan.moves.num_tokens,
+        "plan_host_s": plan_s,
+        "move_ms": defrag_ms,
+        "move_effective_GBps": dpayload / defrag_ms / 1e6,
+    }
+    return result
+
+
+def _plot(path: str, sweep: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = [r["T"] for r in sweep]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ts, [r["kernel_ms"] for r in sweep], "o-", label="window scores (Triton)")
+    ax.plot(ts, [r["sdpa_ms"] for r in sweep], "s-", label="SDPA forward, no scores")
+    if all("eager_ms" in r for r in sweep):
+        ax.plot(ts, [r["eager_ms"] for r in sweep], "^-", label="eager full-matrix scores")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (keys)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("Window scores, W=64, 32 q heads / 8 kv heads, D=128, bf16")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _goals(metrics: dict[str, float]) -> dict[str, Any]:
+    out = {}
+    for name, (op, goal) in GOALS.items():
+        value = metrics[name]
+        met = value <= goal if op == "<=" else value >= goal
+        out[name] = {"value": value, "goal": f"{op} {goal}", "met": bool(met)}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+    import triton
+
+    from lmcompact.cli._output import format_table, write_json
+
+    if not torch.cuda.is_available():
+        print("lmcompact bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.seq_len, args.sweep = 4096, "2048,4096"
+        args.decode_batch, args.decode_prefix = 4, 1024
+    props = torch.cuda.get_device_properties(0)
+    copy = _copy_bandwidth(2 << 30 if not args.quick else 256 << 20)
+    log.info("copy bandwidth %.0f GB/s", copy["GBps"])
+    sweep_ts = sorted({int(x) for x in args.sweep.split(",")} | {args.seq_len})
+    sweep = [_window_row(t, args.window, args, eager=True) for t in sweep_ts]
+    head = next(r for r in sweep if r["T"] == args.seq_len)
+    decode = _decode_rows(args, copy["GBps"])
+    compaction = _compaction_rows(args, copy["GBps"])
+    metrics = {
+        "window_scores_vs_sdpa": head["vs_sdpa"],
+        "window_scores_vs_eager": head["vs_eager"],
+        "ragged_decode_bw_fraction": decode["ragged"]["bw_fraction"],
+        "ragged_decode_vs_dense_sdpa": decode["ragged"]["vs_dense_sdpa"],
+        "compaction_copy_bw_fraction": compaction["compaction"]["bw_fraction"],
+    }
+    payload: dict[str, Any] = {
+        "command": "lmcompact bench kernels " + " ".join(sys.argv[3:])
+        if len(sys.argv) > 3
+        else "lmcompact bench kernels",
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)",
+        **metrics,
+        "goals": _goals(metrics),
+        "copy_bandwidth": copy,
+        "window_scores": head,
+        "window_scores_sweep": sweep,
+        "ragged_decode": decode,
+        **compaction,
+        "notes": {
+            "window_scores_vs_sdpa": "SDPA gets the same (1, 32, W, 128) queries and "
+            "(1, 8, T, 128) K and V with enable_gqa=True and no mask; the kernel returns "
+            "scores only",
+            "window_scores_vs_eager": "eager = lmcompact.attention.scores.window_scores_naive on "
+            "the W window queries (fp32 full W x T matrix, softmax, sum)",
+            "bytes": "bandwidth counts bytes read plus written: decode reads each visible K and "
+            "V once; compaction reads and writes K and V of every moved token",
+        },
+    }
+    print(format_table([{"metric": k, **v} for k, v in payload["goals"].items()]))
+    print(
+        format_table(
+            [
+                {k: r[k] for k in ("T", "kernel_ms", "sdpa_ms", "eager_ms", "vs_sdpa", "vs_eager")}
+                for r in sweep
+            ]
+        )
+    )
+    write_json(args.json, payload)
+    if args.plot:
+        _plot(args.plot, sweep)
+    return 0
