@@ -88,7 +88,7 @@ def test_cases_cover_every_builtin_policy() -> None:
 @pytest.mark.parametrize("padded", [False, True], ids=["prefill", "padded"])
 @pytest.mark.parametrize("case", POLICY_CASES, ids=CASE_IDS)
 @settings(
-    max_examples=8,
+    max_examples=6,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
