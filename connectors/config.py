@@ -1,0 +1,235 @@
+"""Connector options: parsed from ``kv_connector_extra_config`` and validated at start-up.
+
+Example ``--kv-transfer-config``::
+
+    {"kv_connector": "LMCompactConnector",
+     "kv_connector_module_path": "connectors.lmcompact_connector",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {"policy": "snapkv", "budget": 0.5, "chunk_size": 256,
+                                   "tiers": ["cpu", "redis"], "cpu_capacity_mb": 2048,
+                                   "redis_url": "redis://127.0.0.1:6379/0"}}
+
+Engine-dependent checks (chunk size versus block size, prefix caching with a compacting
+policy, policy shape) run in :func:`validate_against_engine` once the engine is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcompact.policies import (
+    Budget,
+    CompactionInputs,
+    CompactionPolicy,
+    LayerObservation,
+    Need,
+    make_policy,
+)
+from lmcompact.store import StoreConfig
+
+TIERS = ("cpu", "redis")
+UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector options.
+
+    Attributes:
+        policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
+            the full KV and is exact.
+        policy_params: the policy's hyper-parameters besides the budget.
+        budget: kept fraction per chunk, in (0, 1]; rounded to whole KV blocks.
+        chunk_size: tokens per stored chunk; a multiple of the engine's block size.
+        window: observation-window queries (the prompt's last ``window`` tokens) captured for
+            score-based policies.
+        tiers: store tiers, fastest first, from ``("cpu", "redis")``.
+        cpu_capacity_mb: CPU tier size in MiB.
+        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
+        redis_ttl_s: lifetime of Redis entries; None keeps them until Redis evicts.
+        save: store compacted prefixes of finished prefills.
+        load: serve stored prefixes to new requests.
+        async_save: compact and store on a background thread (the forward pass only waits
+            for a page copy); False does it inline (deterministic, slower).
+        model_id: name that enters the store namespace; None uses the engine's model path.
+    """
+
+    policy: str = "none"
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    budget: float = 0.5
+    chunk_size: int = 256
+    window: int = 32
+    tiers: tuple[str, ...] = ("cpu",)
+    cpu_capacity_mb: int = 1024
+    redis_url: str | None = None
+    redis_ttl_s: float | None = None
+    save: bool = True
+    load: bool = True
+    async_save: bool = True
+    model_id: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; ValueError names the bad key or value."""
+        extra = dict(extra or {})
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; allowed: {sorted(allowed)}"
+            )
+        if "tiers" in extra:
+            tiers = extra["tiers"]
+            if isinstance(tiers, str):
+                tiers = [t.strip() for t in tiers.split(",") if t.strip()]
+            extra["tiers"] = tuple(tiers)
+        config = cls(**extra)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(isinstance(self.policy, str) and bool(self.policy),
+             f"policy must be a policy name, got {self.policy!r}")
+        need(isinstance(self.policy_params, Mapping),
+             f"policy_params must be a mapping, got {self.policy_params!r}")
+        need(not isinstance(self.budget, bool) and isinstance(self.budget, (int, float))
+             and 0.0 < float(self.budget) <= 1.0,
+             f"budget must be a kept fraction in (0, 1], got {self.budget!r}")
+        need(isinstance(self.chunk_size, int) and self.chunk_size > 0,
+             f"chunk_size must be a positive int (a multiple of the block size), "
+             f"got {self.chunk_size!r}")
+        need(isinstance(self.window, int) and self.window >= 0,
+             f"window must be an int >= 0, got {self.window!r}")
+        need(bool(self.tiers) and all(t in TIERS for t in self.tiers)
+             and len(set(self.tiers)) == len(self.tiers),
+             f"tiers must be a non-empty list of distinct names from {list(TIERS)}, "
+             f"got {list(self.tiers)!r}")
+        need(isinstance(self.cpu_capacity_mb, int) and self.cpu_capacity_mb > 0,
+             f"cpu_capacity_mb must be a positive int, got {self.cpu_capacity_mb!r}")
+        need(("redis" in self.tiers) == (self.redis_url is not None),
+             f"redis_url must be set exactly when 'redis' is a tier; tiers={list(self.tiers)}, "
+             f"redis_url={self.redis_url!r}")
+        for name in ("save", "load", "async_save"):
+            need(isinstance(getattr(self, name), bool),
+                 f"{name} must be true or false, got {getattr(self, name)!r}")
+        self.make_policy()  # unknown policy or bad parameters raise here
+        self.store_config()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def compacts(self) -> bool:
+        """True when stored chunks may hold fewer tokens than they cover."""
+        return self.policy != "none" and float(self.budget) < 1.0
+
+    def make_policy(self) -> CompactionPolicy:
+        params = dict(self.policy_params)
+        if "budget" in params:
+            raise ValueError("give the budget as the top-level 'budget' option, not a policy_param")
+        if self.policy != "none":
+            params["budget"] = Budget(ratio=float(self.budget))
+        return make_policy(self.policy, **params)
+
+    def namespace_params(self) -> dict[str, Any]:
+        """Policy identity that enters the store namespace (plain JSON data)."""
+        params = dict(self.policy_params)
+        params["budget"] = float(self.budget) if self.compacts else 1.0
+        return params
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            cpu_capacity_bytes=self.cpu_capacity_mb << 20 if "cpu" in self.tiers else None,
+            redis_url=self.redis_url if "redis" in self.tiers else None,
+            redis_ttl_s=self.redis_ttl_s,
+        )
+
+    def kept_per_chunk(self, block_size: int) -> int:
+        """Tokens each (layer, head) keeps of one chunk: the budget in whole blocks (>= 1)."""
+        if not self.compacts:
+            return self.chunk_size
+        blocks = self.chunk_size // block_size
+        kept_blocks = min(blocks, max(1, round(float(self.budget) * blocks)))
+        return kept_blocks * block_size
+
+
+def validate_against_engine(
+    config: ConnectorConfig,
+    *,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    prefix_caching: bool,
+) -> None:
+    """Checks that need the engine: ValueError with the bad value and what is allowed.
+
+    A compacting policy must (1) keep the same number of tokens in every (layer, head),
+    because attention skips one block-aligned hole per request, (2) need only inputs the
+    connector captures, and (3) run with vLLM prefix caching off, because vLLM would
+    otherwise hash the packed (compacted) blocks as if they held the full prefix.
+    """
+    if config.chunk_size % block_size:
+        allowed = ", ".join(str(block_size * k) for k in (2, 4, 8, 16))
+        raise ValueError(
+            f"chunk_size {config.chunk_size} must be a multiple of the engine block size "
+            f"{block_size} (e.g. {allowed})"
+        )
+    if not config.compacts:
+        return
+    if prefix_caching:
+        raise ValueError(
+            f"policy {config.policy!r} compacts the KV, which vLLM's prefix cache cannot "
+            "represent: start vLLM with enable_prefix_caching=False "
+            "(--no-enable-prefix-caching), or use policy 'none'"
+        )
+    policy = config.make_policy()
+    missing = policy.needs & UNSUPPORTED_NEEDS
+    if missing:
+        raise ValueError(
+            f"policy {config.policy!r} needs {missing}, which the vLLM connector does not "
+            "capture (it sees the observation window's queries and the keys/values); "
+            "allowed: policies needing KEYS, WINDOW_SCORES or WINDOW_ATTENTION"
+        )
+    kept = config.kept_per_chunk(block_size)
+    plan = policy.plan(probe_inputs(config, policy, num_layers, num_kv_heads, head_dim, kept))
+    counts = plan.kept_counts()
+    if not bool((counts == kept).all()):
+        raise ValueError(
+            f"policy {config.policy!r} keeps different numbers of tokens per head or layer "
+            f"(min {int(counts.min())}, max {int(counts.max())}, asked {kept} per chunk); the "
+            "vLLM connector needs the same count everywhere (attention skips one "
+            "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
+            "knorm, tova, random"
+        )
+
+
+def probe_inputs(
+    config: ConnectorConfig,
+    policy: CompactionPolicy,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kept: int,
+) -> CompactionInputs:
+    """Synthetic inputs of the engine's shape, to check a policy's plan shape at start-up."""
+    gen = torch.Generator().manual_seed(0)
+    t = config.chunk_size
+    window = max(1, min(config.window, t))
+    layers = []
+    for _ in range(num_layers):
+        keys = torch.randn(num_kv_heads, t, head_dim, generator=gen)
+        scores = torch.rand(num_kv_heads, t, generator=gen)
+        attention = torch.rand(num_kv_heads, window, t, generator=gen)
+        layers.append(LayerObservation(
+            keys=keys, values=torch.randn_like(keys), window_scores=scores,
+            window_attention=attention,
+        ))
+    return CompactionInputs(t, num_kv_heads, layers, budget_tokens=kept)

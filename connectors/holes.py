@@ -1,0 +1,86 @@
+"""Virtual block tables that skip a request's block-aligned hole (engine-free torch).
+
+After a compacted load, a request's blocks hold the kept tokens packed first and a hole of
+dropped-token blocks before the tokens vLLM computes itself. Logical positions (and RoPE)
+stay those of the full prompt; attention alone reads a block table with the hole cut out::
+
+    logical blocks   [ k0 k1 | h2 h3 h4 h5 | t6 t7 ]     seq_len = 8 * bs (+ partial)
+    physical row     [ 11 12 | 13 14 15 16 | 17 18 ]
+    virtual row      [ 11 12 | 17 18 | 0 0 0 0 ]          seq_len - 4 * bs
+
+Because the hole lies before every query and causal masks are aligned bottom-right (the
+last query sees the last key), shortening the key length by the hole keeps every query's
+visible keys exactly "kept prefix + computed tokens up to itself".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hole:
+    """One request's hole, in blocks.
+
+    Attributes:
+        first_block: physical id of the request's first block; identifies its batch row
+            (blocks are never shared between live requests when a policy compacts, because
+            prefix caching is required off).
+        start_block: logical index of the first hole block.
+        num_blocks: blocks in the hole.
+    """
+
+    first_block: int
+    start_block: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.start_block < 0 or self.num_blocks < 1:
+            raise ValueError(f"a hole needs start_block >= 0 and num_blocks >= 1, got {self}")
+
+
+def skip_holes(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    holes: Mapping[int, Hole],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """Cut holes out of the rows of requests that have one.
+
+    Args:
+        block_table: ``(rows, max_blocks)`` int32 physical block ids per batch row.
+        seq_lens: ``(rows,)`` int32 key lengths (logical).
+        num_reqs: rows in use (the rest is padding).
+        holes: hole per first physical block id.
+        block_size: tokens per block.
+
+    Returns:
+        New ``(block_table, seq_lens, edited_rows)`` (fresh tensors; inputs untouched), or
+        None when no row has a hole.
+    """
+    if not holes or num_reqs == 0:
+        return None
+    firsts = block_table[:num_reqs, 0].tolist()
+    rows = [r for r, first in enumerate(firsts) if first in holes]
+    if not rows:
+        return None
+    table = block_table.clone()
+    lens = seq_lens.clone()
+    width = table.shape[1]
+    for r in rows:
+        hole = holes[firsts[r]]
+        s, n = hole.start_block, hole.num_blocks
+        if s + n > width or int(lens[r]) <= (s + n) * block_size:
+            raise ValueError(
+                f"row {r}: hole blocks [{s}, {s + n}) need seq_len > {(s + n) * block_size} and "
+                f"{s + n} block-table columns; got {int(lens[r])} and {width}"
+            )
+        tail = block_table[r, s + n :]
+        table[r, s : s + tail.numel()] = tail
+        table[r, s + tail.numel() :] = 0
+        lens[r] -= n * block_size
+    return table, lens, rows

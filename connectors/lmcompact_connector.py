@@ -1,0 +1,135 @@
+"""``LMCompactConnector``: vLLM v1 KV connector that compacts, persists and reloads prefixes.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "LMCompactConnector",
+                           "kv_connector_module_path": "connectors.lmcompact_connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"policy": "snapkv", "budget": 0.5}}'
+
+or ``LLM(..., kv_transfer_config=KVTransferConfig(...))``. Options:
+:class:`connectors.config.ConnectorConfig`. The scheduler half
+(:mod:`connectors.scheduler_side`) and the worker half (:mod:`connectors.worker_side`)
+talk only through :class:`connectors.metadata.StepMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from connectors import vllm_shim as shim
+from connectors.config import ConnectorConfig, validate_against_engine
+from connectors.metadata import StepMetadata
+from connectors.scheduler_side import SchedulerHalf
+from connectors.store_registry import STORES
+from connectors.worker_side import WorkerHalf
+from lmcompact.store import ChunkKeyer, StoreNamespace, TieredStore
+
+logger = logging.getLogger(__name__)
+
+STORE_LAYOUT = "lmcompact-rows-v1"
+"""Stored chunks are per-head rows, independent of any engine page layout."""
+
+
+class LMCompactMetadata(shim.KVConnectorMetadata):  # type: ignore[misc]
+    """vLLM-typed envelope of one :class:`StepMetadata`."""
+
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
+    return StoreNamespace(
+        model_id=config.model_id or facts.model_id,
+        kv_dtype=str(facts.dtype).removeprefix("torch."),
+        kv_layout=STORE_LAYOUT,
+        policy_name=config.policy if config.compacts else "none",
+        policy_params=config.namespace_params(),
+    )
+
+
+class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
+    """KV-cache compaction connector (scheduler and worker roles)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_extra(shim.transfer_extra_config(vllm_config))
+        self.facts = shim.engine_facts(vllm_config)
+        validate_against_engine(
+            self.config,
+            block_size=self.facts.block_size,
+            num_layers=self.facts.num_layers,
+            num_kv_heads=self.facts.num_kv_heads,
+            head_dim=self.facts.head_dim,
+            prefix_caching=self.facts.prefix_caching,
+        )
+        self.namespace = build_namespace(self.config, self.facts)
+        self.store: TieredStore = STORES.acquire(self.namespace, self.config.store_config())
+        self.scheduler_half: SchedulerHalf | None = None
+        self.worker_half: WorkerHalf | None = None
+        if role == shim.KVConnectorRole.SCHEDULER:
+            keyer = ChunkKeyer(self.namespace, self.config.chunk_size)
+            self.scheduler_half = SchedulerHalf(self.config, self.facts, self.store, keyer)
+        else:
+            self.worker_half = WorkerHalf(self.config, self.facts, vllm_config, self.store)
+        logger.info("LMCompactConnector %s: policy=%s budget=%s chunk=%d tiers=%s vllm=%s",
+                    role, self.config.policy, self.config.budget, self.config.chunk_size,
+                    list(self.config.tiers), shim.vllm_version())
+
+    def _worker(self) -> WorkerHalf:
+        if self.worker_half is None:
+            raise RuntimeError("worker-side call on the scheduler connector")
+        return self.worker_half
+
+    def _scheduler(self) -> SchedulerHalf:
+        if self.scheduler_half is None:
+            raise RuntimeError("scheduler-side call on the worker connector")
+        return self.scheduler_half
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, LMCompactMetadata)
+        self._worker().start_load(metadata.step, forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete inside start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # pages are copied once, after the last layer, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker().wait_for_save()
+
+    def shutdown(self) -> None:
+        if self.worker_half is not None:
+            self.worker_half.shutdown()
+        STORES.release(self.store)
+
+    # --------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
+        return LMCompactMetadata(self._scheduler().build_metadata(scheduler_output))
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler().finished(request.request_id)
+        return False, None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # attention metadata is edited per step outside captured graphs

