@@ -56,6 +56,26 @@ def _bench(fn: Any, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
+def _bench_graph(fn: Any) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph (no Python launch overhead)."""
+    import torch
+
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _bench(graph.replay)
+    except Exception as exc:  # graphs are an extra; never fail the run on them
+        log.warning("CUDA graph timing failed: %r", exc)
+        return None
+
+
 def _copy_bandwidth(nbytes: int) -> dict[str, float]:
     import torch
 
@@ -98,6 +118,8 @@ def _window_row(t: int, w: int, args: argparse.Namespace, eager: bool) -> dict[s
     row: dict[str, Any] = {"T": t, "W": w, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
     row["kernel_ms"] = _bench(lambda: ws.window_scores(q, k))
     row["sdpa_ms"], row["sdpa_backend"] = _sdpa_ms(q, k, v)
+    row["kernel_graph_ms"] = _bench_graph(lambda: ws.window_scores(q, k))
+    row["sdpa_graph_ms"] = _bench_graph(lambda: _sdpa(q, k, v))
     row["vs_sdpa"] = row["kernel_ms"] / row["sdpa_ms"]
     if eager:
         row["eager_ms"] = _bench(lambda: window_scores_naive(q, k), rep=50)
@@ -209,6 +231,9 @@ def _decode_rows(args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
         ms = _bench(
             lambda a=call_args, mv=max_visible: pa.paged_attention(*a, max_q_len=1, max_visible=mv)
         )
+        graph_ms = _bench_graph(
+            lambda a=call_args, mv=max_visible: pa.paged_attention(*a, max_q_len=1, max_visible=mv)
+        )
         mass_ms = _bench(
             lambda a=call_args, mv=max_visible: pa.paged_attention(
                 *a, max_q_len=1, max_visible=mv, return_key_mass=True
@@ -234,6 +259,7 @@ def _decode_rows(args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
             "ms": ms,
             "GBps": (kv_bytes + io_bytes) / ms / 1e6,
             "bw_fraction": (kv_bytes + io_bytes) / ms / 1e6 / copy_gbps,
+            "graph_ms": graph_ms,
             "with_key_mass_ms": mass_ms,
             "dense_sdpa_tokens_per_head": dense_len,
             "dense_sdpa_ms": sdpa_ms,

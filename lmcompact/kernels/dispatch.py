@@ -122,19 +122,32 @@ def paged_attention(
     hot loop once the caller guarantees them.
     """
     if validate:
-        lengths.validate(lengths.num_kv_heads, block_table.shape[1] * key_pool.shape[1],
-                         key_pool.shape[1])
+        lengths.validate(
+            lengths.num_kv_heads, block_table.shape[1] * key_pool.shape[1], key_pool.shape[1]
+        )
         _check_query_runs(cu_seqlens_q, lengths)
     if use_kernels(queries.device):
         from lmcompact.kernels import paged_attention as kernel
 
         return kernel.paged_attention(
-            queries, key_pool, value_pool, block_table, cu_seqlens_q, lengths,
-            scale=scale, return_key_mass=return_key_mass,
+            queries,
+            key_pool,
+            value_pool,
+            block_table,
+            cu_seqlens_q,
+            lengths,
+            scale=scale,
+            return_key_mass=return_key_mass,
         )
     return paged_attention_reference(
-        queries, key_pool, value_pool, block_table, cu_seqlens_q, lengths,
-        scale=scale, return_key_mass=return_key_mass,
+        queries,
+        key_pool,
+        value_pool,
+        block_table,
+        cu_seqlens_q,
+        lengths,
+        scale=scale,
+        return_key_mass=return_key_mass,
     )
 
 
@@ -185,7 +198,9 @@ def compact_heads(
     if moves.src_slots.device != key_pool.device:
         moves = _moves_to(moves, key_pool.device)
     move_slots(
-        key_pool, value_pool, block_table,
+        key_pool,
+        value_pool,
+        block_table,
         key_pool if dst_keys is None else dst_keys,
         value_pool if dst_values is None else dst_values,
         block_table if dst_table is None else dst_table,
@@ -209,8 +224,9 @@ def defragment(
     new_table = plan.block_table.to(block_table.dtype)
     width = max(block_table.shape[1], new_table.shape[1])
     # one table holding both: a request's old row and its new row
-    old = torch.zeros(block_table.shape[0], width, dtype=block_table.dtype,
-                      device=block_table.device)
+    old = torch.zeros(
+        block_table.shape[0], width, dtype=block_table.dtype, device=block_table.device
+    )
     new = torch.zeros_like(old)
     old[:, : block_table.shape[1]] = block_table
     new[:, : new_table.shape[1]] = new_table
@@ -220,7 +236,10 @@ def defragment(
 
 def _moves_to(moves: SlotMoves, device: torch.device) -> SlotMoves:
     return SlotMoves(
-        src_slots=moves.src_slots.to(device), cu=moves.cu.to(device),
-        request=moves.request.to(device), head=moves.head.to(device),
-        dst_start=moves.dst_start.to(device), max_count=moves.max_count,
+        src_slots=moves.src_slots.to(device),
+        cu=moves.cu.to(device),
+        request=moves.request.to(device),
+        head=moves.head.to(device),
+        dst_start=moves.dst_start.to(device),
+        max_count=moves.max_count,
     )

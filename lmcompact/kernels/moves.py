@@ -66,7 +66,8 @@ class SlotMoves:
         """``(M,)`` segment of every token and its rank inside the segment."""
         counts = self.cu[1:] - self.cu[:-1]
         seg = torch.repeat_interleave(
-            torch.arange(self.num_segments, device=self.cu.device), counts,
+            torch.arange(self.num_segments, device=self.cu.device),
+            counts,
             output_size=self.num_tokens,
         )
         rank = torch.arange(self.num_tokens, device=self.cu.device) - self.cu[seg]

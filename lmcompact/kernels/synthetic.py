@@ -139,8 +139,7 @@ def random_paged_case(
         table[b, :n] = order[nxt : nxt + n].to(torch.int32)
         nxt += n
         first = prefix[b] // block_size
-        table[b, first : first + tail_blocks[b]] = order[nxt : nxt + tail_blocks[b]].to(
-            torch.int32)
+        table[b, first : first + tail_blocks[b]] = order[nxt : nxt + tail_blocks[b]].to(torch.int32)
         nxt += tail_blocks[b]
     fill = float("nan") if poison else 0.0
     if layout == "vllm":
@@ -184,7 +183,8 @@ def random_paged_case(
         value_pool=v_pool,
         block_table=table.to(device),
         cu_seqlens_q=cu.to(device),
-        lengths=PagedLengths(lengths.kept.to(device), lengths.tail_start.to(device),
-                             lengths.seq_len.to(device)),
+        lengths=PagedLengths(
+            lengths.kept.to(device), lengths.tail_start.to(device), lengths.seq_len.to(device)
+        ),
         kept_positions=positions,
     )

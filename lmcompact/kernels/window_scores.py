@@ -6,7 +6,7 @@ L2, keys from memory once per pass)::
 
     row r = g * W + w          query w of query head h * G + g     (R = G * W rows)
     pass 1  part[b, h, r, n] = log sum_{j in tile n, j <= pos[w]} exp(s[r, j])
-            lse[b, h, r]     = logsumexp_n part[b, h, r, n]          (torch, tiny)
+            lse[b, h, r]     = logsumexp_n part[b, h, r, n]          (small merge kernel)
     pass 2  mass[b, h, j]    = (1 / G) * sum_r exp(s[r, j] - lse[r])
 
 Splitting pass 1 by key tile (instead of streaming all keys per row) keeps the
@@ -32,14 +32,33 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _window_pass_kernel(
-    q_ptr, k_ptr, pos_ptr, lse_ptr, out_ptr,
-    scale_log2, seq_len, window, head_dim,
-    stride_qb, stride_qh, stride_qw,
-    stride_kb, stride_kh, stride_kt,
-    stride_lb, stride_lh, stride_lr,
-    stride_ob, stride_oh,
-    HKV: tl.constexpr, GROUP: tl.constexpr, MASS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    lse_ptr,
+    out_ptr,
+    scale_log2,
+    seq_len,
+    window,
+    head_dim,
+    stride_qb,
+    stride_qh,
+    stride_qw,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_lb,
+    stride_lh,
+    stride_lr,
+    stride_ob,
+    stride_oh,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    MASS: tl.constexpr,
+    LAST_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -50,9 +69,12 @@ def _window_pass_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     k_base = k_ptr + b * stride_kb + h.to(tl.int64) * stride_kh
-    k = tl.load(k_base + j.to(tl.int64)[None, :] * stride_kt + d[:, None],
-                mask=j_ok[None, :] & d_ok[:, None], other=0.0)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    k = tl.load(
+        k_base + j.to(tl.int64)[None, :] * stride_kt + d[:, None],
+        mask=j_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     num_rows = GROUP * window
     for r0 in range(0, num_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
@@ -60,9 +82,13 @@ def _window_pass_kernel(
         g = rows // window
         w = rows % window
         q_off = b * stride_qb + (h * GROUP + g).to(tl.int64) * stride_qh + w * stride_qw
-        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        pos = tl.load(pos_ptr + w, mask=row_ok, other=-1)
+        q = tl.load(
+            q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if LAST_W:  # noqa: SIM108 (constexpr branch) the window is the last W positions
+            pos = seq_len - window + w
+        else:
+            pos = tl.load(pos_ptr + w, mask=row_ok, other=-1)
         s = tl.dot(q, k) * scale_log2
         seen = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= pos[:, None])
         l_off = b * stride_lb + h * stride_lh + rows * stride_lr
@@ -70,18 +96,45 @@ def _window_pass_kernel(
             lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("-inf")) * 1.4426950408889634
             live = lse > float("-inf")
             p = tl.exp2(s - tl.where(live, lse, 0.0)[:, None])
-            acc += tl.sum(tl.where(seen & live[:, None], p, 0.0), 0)
+            acc += tl.where(seen & live[:, None], p, 0.0)
         else:
             s = tl.where(seen, s, float("-inf"))
             m = tl.max(s, 1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            part = tl.where(total > 0.0, (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0)))
-                            * 0.6931471805599453, float("-inf"))
+            part = tl.where(
+                total > 0.0,
+                (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
+                float("-inf"),
+            )
             tl.store(lse_ptr + l_off + pid_n, part, mask=row_ok)
     if MASS:
         o_off = b * stride_ob + h * stride_oh + j
-        tl.store(out_ptr + o_off, acc / GROUP, mask=j_ok)
+        tl.store(out_ptr + o_off, tl.sum(acc, 0) / GROUP, mask=j_ok)
+
+
+@triton.jit
+def _merge_tiles_kernel(
+    part_ptr, lse_ptr, num_rows, num_tiles, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    """``lse[row] = logsumexp_t part[row, t]`` over contiguous ``(rows, tiles)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for t0 in range(0, num_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        x = tl.load(
+            part_ptr + rows.to(tl.int64)[:, None] * num_tiles + t[None, :],
+            mask=row_ok[:, None] & (t < num_tiles)[None, :],
+            other=float("-inf"),
+        )
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), 1)
+        m = m_new
+    lse = tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
 def window_scores(
@@ -119,31 +172,57 @@ def window_scores(
         raise ValueError("queries and keys need a contiguous head_dim (stride 1)")
     if queries.device != keys.device:
         raise ValueError(f"queries on {queries.device} but keys on {keys.device}")
-    if query_positions is None:
-        query_positions = torch.arange(t - w, t, device=queries.device)
-    if query_positions.shape != (w,):
+    if query_positions is not None and query_positions.shape != (w,):
         raise ValueError(f"query_positions must be ({w},), got {tuple(query_positions.shape)}")
-    positions = query_positions.to(device=queries.device, dtype=torch.int32).contiguous()
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    mass = torch.zeros(b, hkv, t, dtype=torch.float32, device=queries.device)
     if t == 0 or w == 0 or b == 0:
-        return mass
+        return torch.zeros(b, hkv, t, dtype=torch.float32, device=queries.device)
+    mass = torch.empty(b, hkv, t, dtype=torch.float32, device=queries.device)
+    if query_positions is None:
+        positions = mass  # unused: the kernel derives the last-W positions
+    else:
+        positions = query_positions.to(device=queries.device, dtype=torch.int32).contiguous()
     n_tiles = triton.cdiv(t, block_n)
     part = torch.empty(b, hkv, group * w, n_tiles, dtype=torch.float32, device=queries.device)
     common = dict(
-        HKV=hkv, GROUP=group, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        HKV=hkv,
+        GROUP=group,
+        LAST_W=query_positions is None,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     args = (scale * LOG2E, t, w, d, *queries.stride()[:3], *keys.stride()[:3])
     grid = (b * hkv, n_tiles)
     _window_pass_kernel[grid](
-        queries, keys, positions, part, mass, *args, *part.stride()[:3], 0, 0,
-        MASS=False, **common,
+        queries,
+        keys,
+        positions,
+        part,
+        mass,
+        *args,
+        *part.stride()[:3],
+        0,
+        0,
+        MASS=False,
+        **common,
     )
-    lse = torch.logsumexp(part, dim=-1)  # (B, Hkv, R); -inf for rows that see no key
+    lse = torch.empty(b, hkv, group * w, dtype=torch.float32, device=queries.device)
+    _merge_tiles_kernel[(triton.cdiv(lse.numel(), 64),)](
+        part, lse, lse.numel(), n_tiles, BLOCK_R=64, BLOCK_T=64, num_warps=4
+    )  # lse is -inf for rows that see no key
     _window_pass_kernel[grid](
-        queries, keys, positions, lse, mass, *args, *lse.stride(), *mass.stride()[:2],
-        MASS=True, **common,
+        queries,
+        keys,
+        positions,
+        lse,
+        mass,
+        *args,
+        *lse.stride(),
+        *mass.stride()[:2],
+        MASS=True,
+        **common,
     )
     return mass
-
