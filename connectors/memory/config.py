@@ -1,0 +1,117 @@
+"""Options of the memory-saving connector: the ``"memory"`` object of the extra config.
+
+Example ``--kv-transfer-config``::
+
+    {"kv_connector": "LMCompactMemoryConnector",
+     "kv_connector_module_path": "connectors.memory.connector",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {
+         "policy": "snapkv", "budget": 0.25, "save": false, "load": false,
+         "memory": {"prefill": "auto", "decode_budget_tokens": 512}}}
+
+Every other key is the base connector's (:class:`connectors.config.ConnectorConfig`); its
+``policy`` and ``budget`` also drive the in-place compaction of fresh prefills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from connectors.memory.planner import PrefillMode
+
+MEMORY_KEY = "memory"
+PREFILL_CHOICES = ("auto", "off", "pack", "blocks")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Validated memory options.
+
+    Attributes:
+        prefill: what happens when a prompt's prefill ends. ``"pack"`` runs the policy over
+            the prompt's full blocks and packs the kept tokens into the first blocks;
+            ``"blocks"`` keeps sink blocks plus the most recent blocks without copying
+            (StreamingLLM at block granularity); ``"off"`` leaves prompts whole; ``"auto"``
+            picks ``blocks`` for ``streaming_llm``, ``off`` for ``none``, else ``pack``.
+        decode_budget_tokens: during generation, full-block tokens a request may hold
+            outside its hole (StreamingLLM eviction of the oldest non-sink block); a
+            multiple of the block size; None leaves generation unbounded.
+        sink_blocks: leading blocks never dropped, >= 1.
+        min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
+    """
+
+    prefill: str = "auto"
+    decode_budget_tokens: int | None = None
+    sink_blocks: int = 1
+    min_prompt_tokens: int = 0
+
+    @classmethod
+    def from_extra(cls, options: Mapping[str, Any] | None) -> MemoryConfig:
+        """Parse the ``"memory"`` object; ValueError names the bad key or value."""
+        options = dict(options or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise ValueError(f"unknown memory option(s) {unknown}; allowed: {sorted(allowed)}")
+        config = cls(**options)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.prefill not in PREFILL_CHOICES:
+            raise ValueError(
+                f"memory.prefill must be one of {list(PREFILL_CHOICES)}, got {self.prefill!r}"
+            )
+        budget = self.decode_budget_tokens
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ValueError(
+                f"memory.decode_budget_tokens must be a positive int or null, got {budget!r}"
+            )
+        if (
+            isinstance(self.sink_blocks, bool)
+            or not isinstance(self.sink_blocks, int)
+            or self.sink_blocks < 1
+        ):
+            raise ValueError(f"memory.sink_blocks must be an int >= 1, got {self.sink_blocks!r}")
+        if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
+            raise ValueError(
+                f"memory.min_prompt_tokens must be an int >= 0, got {self.min_prompt_tokens!r}"
+            )
+
+    def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
+        """The prefill mode for the base connector's policy."""
+        if self.prefill == "auto":
+            if not compacts:
+                return PrefillMode.OFF
+            return PrefillMode.BLOCKS if policy == "streaming_llm" else PrefillMode.PACK
+        mode = PrefillMode(self.prefill)
+        if mode is not PrefillMode.OFF and not compacts:
+            raise ValueError(
+                f"memory.prefill={self.prefill!r} needs a compacting policy and a "
+                f"budget < 1, got policy {policy!r}"
+            )
+        return mode
+
+    def decode_budget_blocks(self, block_size: int) -> int | None:
+        """The decode budget in blocks; ValueError when not block aligned."""
+        if self.decode_budget_tokens is None:
+            return None
+        if self.decode_budget_tokens % block_size:
+            raise ValueError(
+                f"memory.decode_budget_tokens={self.decode_budget_tokens} must be "
+                f"a multiple of the block size {block_size}"
+            )
+        return self.decode_budget_tokens // block_size
+
+
+def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], MemoryConfig]:
+    """Separate the ``"memory"`` object from the base connector's options."""
+    base = {k: v for k, v in extra.items() if k != MEMORY_KEY}
+    memory = extra.get(MEMORY_KEY)
+    if memory is not None and not isinstance(memory, Mapping):
+        raise ValueError(f"kv_connector_extra_config.memory must be an object, got {memory!r}")
+    return base, MemoryConfig.from_extra(memory)

@@ -1,0 +1,142 @@
+"""``LMCompactMemoryConnector``: the compaction connector plus real memory saving.
+
+Load it with::
+
+    LLM(..., enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCompactMemoryConnector",
+            kv_connector_module_path="connectors.memory.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"policy": "snapkv", "budget": 0.25,
+                                       "save": False, "load": False,
+                                       "memory": {"prefill": "auto"}}))
+
+On top of :class:`connectors.lmcompact_connector.LMCompactConnector` (store save/load,
+hole skipping in attention), it compacts every fresh prompt in place when its prefill ends
+and returns the dropped blocks to vLLM's pool, grows holes during long generations to keep a
+request within a token budget, and returns the hole blocks of packed store loads.
+Options: :class:`connectors.memory.config.MemoryConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
+from connectors.memory.config import split_extra
+from connectors.memory.packing import WindowQueries, pack_in_place
+from connectors.memory.planner import HolePlanner
+from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
+from connectors.metadata import StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryMetadata(LMCompactMetadata):
+    """The base step metadata plus this step's in-place packs."""
+
+    def __init__(self, step: StepMetadata, packs: list[PackJob]) -> None:
+        super().__init__(step)
+        self.packs = packs
+
+
+class LMCompactMemoryConnector(LMCompactConnector):
+    """Compaction connector that gives dropped tokens' blocks back to vLLM."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        transfer = vllm_config.kv_transfer_config
+        original = dict(transfer.kv_connector_extra_config or {})
+        base_extra, self.memory = split_extra(original)
+        transfer.kv_connector_extra_config = base_extra
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            transfer.kv_connector_extra_config = original
+        bs = self.facts.block_size
+        self.planner = HolePlanner(
+            block_size=bs,
+            prefill_mode=self.memory.prefill_mode(self.config.policy, self.config.compacts),
+            budget=float(self.config.budget),
+            sink_blocks=self.memory.sink_blocks,
+            decode_budget_blocks=self.memory.decode_budget_blocks(bs),
+            min_prompt_blocks=max(2, self.memory.min_prompt_tokens // bs),
+        )
+        if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
+            logger.info(
+                "decode budget with prefix caching on: shared or cached blocks in a "
+                "hole stay held until the request ends"
+            )
+        self.memory_scheduler: MemoryScheduler | None = None
+        self._policy = self.config.make_policy()
+        if self.scheduler_half is not None:
+            self.memory_scheduler = MemoryScheduler(
+                self.planner,
+                bs,
+                self.config.window,
+                capture=not self.config.save,
+                needs_scores=needs_scores(self._policy),
+            )
+        logger.info(
+            "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s sinks=%d",
+            role,
+            self.planner.prefill_mode.value,
+            self.memory.decode_budget_tokens,
+            self.memory.sink_blocks,
+        )
+
+    # --------------------------------------------------------------- scheduler side
+    def _memory(self) -> MemoryScheduler:
+        if self.memory_scheduler is None:
+            raise RuntimeError("scheduler-side call on the worker connector")
+        return self.memory_scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._memory().bind(kv_cache_manager)
+
+    def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
+        step = super().build_connector_meta(scheduler_output).step
+        packs = self._memory().plan_step(scheduler_output, step)
+        if packs or not step.is_idle():
+            # holes, captures and loads must be in place before the forward pass; vLLM
+            # otherwise starts connector loads after it
+            scheduler_output.has_sync_kv_loads = True
+        return MemoryMetadata(step, packs)
+
+    # ------------------------------------------------------------------ worker side
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata if self.has_connector_metadata() else None
+        packs = meta.packs if isinstance(meta, MemoryMetadata) else []
+        windows = {job.req_id: self._window(job.req_id) for job in packs}
+        super().wait_for_save()  # the base save path copies pages before they are packed
+        worker = self._worker()
+        layers = list(worker.kv_caches.values())
+        for job in packs:
+            pack_in_place(
+                layers,
+                worker.layout,
+                job.block_ids,
+                job.num_tokens,
+                job.kept,
+                self._policy,
+                windows[job.req_id],
+            )
+            worker._captured.pop(job.req_id, None)
+            worker._captured_pos.pop(job.req_id, None)
+            logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
+
+    def _window(self, req_id: str) -> WindowQueries | None:
+        worker = self._worker()
+        captured = worker._captured.get(req_id)
+        positions = worker._captured_pos.get(req_id)
+        if not captured or not positions or not all(captured):
+            return None
+        first = next(iter(worker.layers.values()))
+        return WindowQueries(
+            per_layer=[torch.cat(parts).float() for parts in captured],
+            positions=torch.tensor(positions, dtype=torch.int64),
+            scale=float(first.impl.scale),
+        )

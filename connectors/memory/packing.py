@@ -1,0 +1,128 @@
+"""Compact a fresh prefill where it lies: kept tokens move to the request's first slots.
+
+Runs on the worker after the forward pass of the step that completed the prompt, on the
+live paged cache, layer by layer::
+
+    slots before   [ t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 tA tB | tC .. ]   num_tokens = 12
+    head 0 keeps   t0 t5 tA tB  ->  [ t0 t5 tA tB | (hole ........) | tC .. ]
+    head 1 keeps   t0 t1 t9 tB  ->  [ t0 t1 t9 tB | (hole ........) | tC .. ]
+
+Each (layer, head) keeps the same number of tokens (``kept``, whole blocks), in original
+order; slots hold post-RoPE keys, so which original token lands in which slot does not
+matter to attention. All of a layer's K/V are read (a copy) before anything is written, so
+a packed write never overwrites a token still to be read.
+
+Engine-free: torch, the page layout and an lmcompact policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from connectors.compaction import observe_layer, uniform_keep
+from connectors.kv_layout import PageLayout
+from lmcompact.plan import KeepPlan
+from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation
+
+
+@dataclass
+class WindowQueries:
+    """Post-RoPE queries of the prompt's last tokens, for score-based policies.
+
+    Attributes:
+        per_layer: per layer ``(W, Hq, D)`` queries.
+        positions: ``(W,)`` their absolute positions.
+        scale: attention softmax scale.
+    """
+
+    per_layer: list[torch.Tensor]
+    positions: torch.Tensor
+    scale: float
+
+
+def plan_pack(
+    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    policy: CompactionPolicy,
+    kept: int,
+    window: WindowQueries | None,
+) -> list[list[torch.Tensor]]:
+    """Kept token indices per (layer, head), each exactly ``kept`` long and sorted.
+
+    Args:
+        per_layer: per layer ``(H, T, D)`` keys and values of the span.
+        policy: the compaction policy.
+        kept: tokens each (layer, head) keeps.
+        window: window queries, or None (score-based policies then see no scores and
+            fall back to their score-free behaviour, or raise).
+    """
+    num_tokens = per_layer[0][0].shape[1]
+    observations = []
+    for index, (keys, values) in enumerate(per_layer):
+        queries = None if window is None else window.per_layer[index]
+        mass, rows = observe_layer(
+            keys,
+            values,
+            queries,
+            None if window is None else window.positions,
+            0,
+            policy.needs,
+            1.0 if window is None else window.scale,
+        )
+        observations.append(
+            LayerObservation(keys=keys, values=values, window_scores=mass, window_attention=rows)
+        )
+    inputs = CompactionInputs(
+        num_tokens, per_layer[0][0].shape[0], observations, budget_tokens=kept
+    )
+    plan: KeepPlan = policy.plan(inputs)
+    return [
+        [
+            uniform_keep(plan.kept[layer][head], kept, num_tokens)
+            for head in range(per_layer[0][0].shape[0])
+        ]
+        for layer in range(len(per_layer))
+    ]
+
+
+def pack_in_place(
+    kv_layers: Sequence[torch.Tensor],
+    layout: PageLayout,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    kept: int,
+    policy: CompactionPolicy,
+    window: WindowQueries | None = None,
+) -> list[list[torch.Tensor]]:
+    """Pack each (layer, head)'s kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+
+    Args:
+        kv_layers: per layer paged cache ``(num_blocks, H, block_size, 2 * D)``.
+        layout: page layout of those caches.
+        block_ids: the request's block row (logical -> physical).
+        num_tokens: tokens compacted; a multiple of the block size.
+        kept: tokens kept per (layer, head); a multiple of the block size, < num_tokens.
+        policy: chooses the kept tokens.
+        window: window queries for score-based policies.
+
+    Returns:
+        The kept indices per (layer, head) (for tests and logs).
+    """
+    bs = layout.block_size
+    if num_tokens % bs or kept % bs or not 0 < kept < num_tokens:
+        raise ValueError(
+            f"pack needs block-aligned 0 < kept < num_tokens, got kept={kept}, "
+            f"num_tokens={num_tokens}, block_size={bs}"
+        )
+    per_layer = [layout.read(kv, block_ids, 0, num_tokens) for kv in kv_layers]
+    per_layer = [(k.float(), v.float()) for k, v in per_layer]
+    chosen = plan_pack(per_layer, policy, kept, window)
+    for kv, (keys, values), heads in zip(kv_layers, per_layer, chosen, strict=True):
+        index = torch.stack(heads).to(keys.device)  # (H, kept)
+        gather = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        layout.write(
+            kv, block_ids, 0, torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+        )
+    return chosen

@@ -1,0 +1,215 @@
+"""Where each request's hole lies, step by step (engine-free bookkeeping, in blocks).
+
+Every request has at most one hole: a run of logical blocks that attention skips and whose
+physical blocks go back to the pool. Two things open or grow it:
+
+Prefill end (the step whose forward pass computes the prompt's last token), over the
+prompt's full blocks ``nb = prompt_len // bs``, keeping ``kb`` of them:
+
+``pack`` (any policy; the worker copies kept tokens after that step's forward)::
+
+    logical blocks  [ 0 .. kb-1 | kb ........ nb-1 | nb (partial) .. ]
+    contents        [ kept, packed | hole          | tail, untouched  ]
+
+``blocks`` (StreamingLLM at block granularity: sinks + most recent blocks, no copy)::
+
+    logical blocks  [ 0 .. s-1 | s ....... nb-r-1 | nb-r .. nb-1 | nb .. ]
+    contents        [ sinks    | hole             | recent       | tail ]
+
+Decode (a token budget for long generation, StreamingLLM style): once the prompt is
+processed, whenever the request holds more than ``budget_blocks`` full blocks outside the
+hole, the oldest block after the hole joins it::
+
+    [ kept | hole ........ | b | ... newest full | partial ]   ->   [ kept | hole ... b | ...]
+
+So a request holds at most ``budget_blocks`` full blocks plus the one being filled.
+
+A hole opened at prefill end becomes visible (skipped by attention, released to the pool)
+only from the next step: that step's forward pass still attends to the whole prompt, and a
+pack reads hole blocks after it. The first block is never in a hole: the worker finds a
+request's batch row by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class PrefillMode(StrEnum):
+    """How the prompt is compacted when its prefill ends."""
+
+    OFF = "off"
+    PACK = "pack"
+    BLOCKS = "blocks"
+
+
+@dataclass
+class HoleState:
+    """One request's hole.
+
+    Attributes:
+        first_block: physical id of the request's block 0 (its batch-row key).
+        start: logical index of the first hole block (>= 1).
+        length: hole blocks (0 while none is open).
+        visible_from: first step in which attention skips it and its blocks may go back.
+        owned: False when another component (a store load) opened the hole; it is then only
+            released, never grown.
+    """
+
+    first_block: int
+    start: int
+    length: int
+    visible_from: int
+    owned: bool = True
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Worker job: pack kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+
+    Attributes:
+        req_id: request id.
+        num_tokens: tokens compacted (whole blocks).
+        kept: tokens every (layer, head) keeps (whole blocks).
+    """
+
+    req_id: str
+    num_tokens: int
+    kept: int
+
+
+class HolePlanner:
+    """Opens, grows and reports holes; knows nothing of vLLM objects.
+
+    Args:
+        block_size: tokens per KV block.
+        prefill_mode: what happens at prefill end.
+        budget: kept fraction of the prompt's full blocks at prefill end, in (0, 1].
+        sink_blocks: leading blocks never dropped (``blocks`` mode and decode), >= 1.
+        decode_budget_blocks: full blocks a request may hold outside its hole once its
+            prompt is processed; None leaves generation unbounded.
+        min_prompt_blocks: prompts with fewer full blocks are not compacted at prefill end.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        prefill_mode: PrefillMode,
+        budget: float,
+        sink_blocks: int = 1,
+        decode_budget_blocks: int | None = None,
+        min_prompt_blocks: int = 2,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget must be in (0, 1], got {budget}")
+        if sink_blocks < 1:
+            raise ValueError(
+                f"sink_blocks must be >= 1 (block 0 keys the batch row), got {sink_blocks}"
+            )
+        if decode_budget_blocks is not None and decode_budget_blocks <= sink_blocks:
+            raise ValueError(
+                f"decode_budget_blocks must exceed sink_blocks={sink_blocks}, got "
+                f"{decode_budget_blocks}"
+            )
+        self.block_size = block_size
+        self.prefill_mode = prefill_mode
+        self.budget = budget
+        self.sink_blocks = sink_blocks
+        self.decode_budget_blocks = decode_budget_blocks
+        self.min_prompt_blocks = max(2, min_prompt_blocks)
+        self.holes: dict[str, HoleState] = {}
+
+    # ------------------------------------------------------------------ prefill end
+    def kept_blocks(self, prompt_blocks: int) -> int:
+        """Blocks kept of ``prompt_blocks`` at prefill end (>= sink_blocks, <= all)."""
+        kept = max(self.sink_blocks, round(self.budget * prompt_blocks))
+        return min(prompt_blocks, kept)
+
+    def prefill_end(self, req_id: str, prompt_len: int, first_block: int, step: int) -> Pack | None:
+        """Open the request's hole for the step that completes its prompt.
+
+        Returns:
+            The pack the worker must run after this step's forward pass (``pack`` mode),
+            else None.
+        """
+        if self.prefill_mode is PrefillMode.OFF or req_id in self.holes:
+            return None
+        bs = self.block_size
+        nb = prompt_len // bs
+        kb = self.kept_blocks(nb)
+        if nb < self.min_prompt_blocks or kb >= nb:
+            return None
+        if self.prefill_mode is PrefillMode.PACK:
+            self.holes[req_id] = HoleState(first_block, kb, nb - kb, visible_from=step + 1)
+            return Pack(req_id, nb * bs, kb * bs)
+        sinks = min(self.sink_blocks, kb)
+        recent = kb - sinks
+        self.holes[req_id] = HoleState(
+            first_block, sinks, nb - recent - sinks, visible_from=step + 1
+        )
+        return None
+
+    def adopt(self, req_id: str, first_block: int, start: int, length: int, step: int) -> None:
+        """Record a hole someone else opened (a packed store load) so its blocks go back."""
+        if start < 1 or length < 1:
+            raise ValueError(
+                f"an adopted hole needs start >= 1 and length >= 1, got {start}, {length}"
+            )
+        current = self.holes.get(req_id)
+        if current is not None and (current.start, current.length) != (start, length):
+            raise ValueError(
+                f"request {req_id!r} already has hole {current}, cannot adopt "
+                f"[{start}, {start + length})"
+            )
+        if current is None:
+            self.holes[req_id] = HoleState(
+                first_block, start, length, visible_from=step, owned=False
+            )
+
+    # ------------------------------------------------------------------ decode
+    def grow_for_decode(
+        self, req_id: str, first_block: int, prompt_len: int, processed_tokens: int, step: int
+    ) -> bool:
+        """Grow the hole so that at most ``decode_budget_blocks`` full blocks stay outside it.
+
+        Only blocks whose tokens are all processed (``< processed_tokens``) join the hole, and
+        only once the prompt is processed and any pending pack has run.
+
+        Returns:
+            True when the hole changed.
+        """
+        budget = self.decode_budget_blocks
+        if budget is None or processed_tokens < prompt_len:
+            return False
+        hole = self.holes.get(req_id)
+        if hole is None:
+            hole = HoleState(first_block, self.sink_blocks, 0, visible_from=step)
+            self.holes[req_id] = hole
+        if not hole.owned or hole.visible_from > step:
+            return False
+        full = processed_tokens // self.block_size
+        outside = full - hole.length
+        if hole.stop > full or outside <= budget:
+            return False
+        grow = min(outside - budget, full - hole.stop)
+        hole.length += grow
+        return grow > 0
+
+    # ------------------------------------------------------------------ queries
+    def visible(self, req_id: str, step: int) -> HoleState | None:
+        """The hole attention must skip in ``step`` (None: none, empty or not yet)."""
+        hole = self.holes.get(req_id)
+        if hole is None or hole.length == 0 or hole.visible_from > step:
+            return None
+        return hole
+
+    def forget(self, req_id: str) -> None:
+        """The request's blocks went back to vLLM (finish, abort, preemption)."""
+        self.holes.pop(req_id, None)

@@ -1,0 +1,222 @@
+"""Scheduler half of memory saving: opens holes, returns their blocks, plans packs.
+
+Hooks into vLLM's ``KVCacheManager`` (given to connectors by ``bind_kv_cache_manager``)
+by wrapping three methods of that one instance:
+
+* ``allocate_slots(request, ...)``: before vLLM sizes a scheduled request's new blocks,
+  return the blocks of its visible hole and grow the hole for the decode budget, so the
+  freed blocks already count for this step's admissions (like vLLM's own
+  ``remove_skipped_blocks``, which runs at the same point);
+* ``free(request)`` and ``pop_blocks_for_free(request)``: vLLM is taking all the request's
+  blocks back (finish, abort, preemption): forget its hole. vLLM's own free then returns
+  the blocks still held; the null entries of the hole are skipped by ``free_blocks``.
+
+Timeline of one compacted prompt (step = one ``schedule()`` + forward)::
+
+    step t     schedule: prompt completes -> Pack(req) in metadata, hole planned
+               worker:   forward (full prompt) -> pack kept tokens into blocks [0, kb)
+    step t+1   schedule: hole visible -> its blocks go back to the pool (null in the row)
+               worker:   attention skips the hole (virtual block table)
+
+A block released in schedule ``t+1`` can be handed to another request in that schedule
+and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
+so the pack in ``t`` has read it before anyone writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import wraps
+from typing import Any
+
+from connectors import vllm_shim as shim
+from connectors.compaction import SCORE_NEEDS
+from connectors.holes import Hole
+from connectors.memory.blocks import BlockLedger
+from connectors.memory.planner import HolePlanner
+from connectors.metadata import CaptureSpec, StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackJob:
+    """Worker job: pack kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+
+    Attributes:
+        req_id: request id.
+        block_ids: the request's block row.
+        num_tokens: tokens compacted (whole blocks).
+        kept: tokens each (layer, head) keeps (whole blocks).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    kept: int
+
+
+@dataclass
+class MemoryStats:
+    """Counters of the release path (read by tests and the capacity benchmark)."""
+
+    packs: int = 0
+    blocks_released: int = 0
+    blocks_kept_shared: int = 0
+    holes_adopted: int = 0
+    peak_held: dict[str, int] = field(default_factory=dict)
+
+
+class MemoryScheduler:
+    """Scheduler-side memory saving for one engine.
+
+    Args:
+        planner: hole bookkeeping.
+        block_size: tokens per block.
+        window: observation-window queries to capture for score-based policies.
+        capture: add window captures for packs (False when the base connector's save path
+            already captures the same window).
+        needs_scores: the policy reads window scores.
+    """
+
+    def __init__(
+        self, planner: HolePlanner, block_size: int, window: int, capture: bool, needs_scores: bool
+    ) -> None:
+        self.planner = planner
+        self.block_size = block_size
+        self.window = window
+        self.capture = capture and needs_scores and window > 0
+        self.ledger: BlockLedger | None = None
+        self.step = 0
+        self.live: dict[str, Any] = {}
+        self.stats = MemoryStats()
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, kv_cache_manager: Any) -> None:
+        """Start managing ``kv_cache_manager`` (wraps three of its methods, once)."""
+        if getattr(kv_cache_manager, "_lmcompact_memory", None) is not None:
+            raise ValueError("this KVCacheManager already has a memory manager bound")
+        self.ledger = BlockLedger(kv_cache_manager)
+        kv_cache_manager._lmcompact_memory = self
+        allocate = kv_cache_manager.allocate_slots
+        free = kv_cache_manager.free
+        pop = kv_cache_manager.pop_blocks_for_free
+
+        @wraps(allocate)
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.before_allocate(request)
+            return allocate(request, *args, **kwargs)
+
+        @wraps(free)
+        def free_request(request: Any) -> None:
+            self.forget(request.request_id)
+            free(request)
+
+        @wraps(pop)
+        def pop_blocks_for_free(request: Any) -> Any:
+            self.forget(request.request_id)
+            return pop(request)
+
+        kv_cache_manager.allocate_slots = allocate_slots
+        kv_cache_manager.free = free_request
+        kv_cache_manager.pop_blocks_for_free = pop_blocks_for_free
+
+    def _ledger(self) -> BlockLedger:
+        if self.ledger is None:
+            raise RuntimeError("memory manager used before bind_kv_cache_manager")
+        return self.ledger
+
+    # ------------------------------------------------------------------ hooks
+    def before_allocate(self, request: Any) -> None:
+        """A request is about to get blocks this step: release and grow its hole."""
+        req_id = request.request_id
+        ledger = self._ledger()
+        self.live[req_id] = request
+        row = ledger.blocks(req_id)
+        if not row:
+            return
+        processed = int(request.num_computed_tokens) - int(
+            getattr(request, "num_in_flight_tokens", 0) or 0
+        )
+        self.planner.grow_for_decode(
+            req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
+        )
+        self._release(req_id)
+
+    def forget(self, req_id: str) -> None:
+        self.planner.forget(req_id)
+        self.live.pop(req_id, None)
+
+    def _release(self, req_id: str) -> None:
+        hole = self.planner.visible(req_id, self.step)
+        if hole is None:
+            return
+        ledger = self._ledger()
+        row = ledger.blocks(req_id)
+        if not row or row[0].block_id != hole.first_block:
+            raise RuntimeError(
+                f"request {req_id!r}: block 0 is {row[0].block_id if row else None}, its hole "
+                f"was planned on block {hole.first_block}; a preemption was not seen"
+            )
+        released = ledger.release(req_id, hole.start, min(hole.stop, len(row)))
+        self.stats.blocks_released += len(released.freed)
+        self.stats.blocks_kept_shared += len(released.kept)
+
+    # ------------------------------------------------------------------ per step
+    def plan_step(self, scheduler_output: Any, meta: StepMetadata) -> list[PackJob]:
+        """Add this step's holes and captures to ``meta``; return the packs to run.
+
+        Called from ``build_connector_meta``, after the base connector filled ``meta``.
+        """
+        ledger = self._ledger()
+        packs: list[PackJob] = []
+        step = self.step
+        for sched in shim.scheduled_requests(scheduler_output):
+            request = self.live.get(sched.req_id)
+            row = ledger.block_ids(sched.req_id)
+            if request is None or not row:
+                continue
+            prompt_len = int(request.num_prompt_tokens)
+            foreign = meta.holes.get(row[0])
+            if foreign is not None:
+                self.planner.adopt(
+                    sched.req_id, row[0], foreign.start_block, foreign.num_blocks, step
+                )
+                self.stats.holes_adopted += 1
+            lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
+            if self.capture:
+                self._plan_capture(sched.req_id, row, prompt_len, lo, hi, meta)
+            if lo < prompt_len <= hi:
+                pack = self.planner.prefill_end(sched.req_id, prompt_len, row[0], step)
+                if pack is not None:
+                    packs.append(PackJob(sched.req_id, row, pack.num_tokens, pack.kept))
+                    self.stats.packs += 1
+        for req_id in list(self.planner.holes):
+            if req_id not in self.live:
+                continue
+            self._release(req_id)
+            hole = self.planner.visible(req_id, step)
+            if hole is not None:
+                meta.holes[hole.first_block] = Hole(hole.first_block, hole.start, hole.length)
+            held = ledger.held(req_id)
+            if held > self.stats.peak_held.get(req_id, 0):
+                self.stats.peak_held[req_id] = held
+        self.step += 1
+        return packs
+
+    def _plan_capture(
+        self, req_id: str, row: list[int], prompt_len: int, lo: int, hi: int, meta: StepMetadata
+    ) -> None:
+        bs = self.block_size
+        window_lo = max(prompt_len - self.window, lo)
+        window_hi = min(hi, prompt_len)
+        if window_lo >= window_hi:
+            return
+        positions = list(range(window_lo, window_hi))
+        slots = [row[p // bs] * bs + p % bs for p in positions]
+        meta.captures.append(CaptureSpec(req_id, slots, positions))
+
+
+def needs_scores(policy: Any) -> bool:
+    return bool(policy.needs & SCORE_NEEDS)
