@@ -23,6 +23,16 @@ HELP = "time the Triton kernels (window scores, paged attention, compaction) on 
 
 log = logging.getLogger(__name__)
 
+SWEEP_COLUMNS = (
+    "T",
+    "kernel_ms",
+    "sdpa_ms",
+    "eager_ms",
+    "vs_sdpa",
+    "vs_eager",
+    "kernel_graph_ms",
+    "sdpa_graph_ms",
+)
 GOALS = {
     "window_scores_vs_sdpa": ("<=", 1.5),
     "window_scores_vs_eager": (">=", 10.0),
@@ -482,14 +492,7 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     print(format_table([{"metric": k, **v} for k, v in payload["goals"].items()]))
-    print(
-        format_table(
-            [
-                {k: r[k] for k in ("T", "kernel_ms", "sdpa_ms", "eager_ms", "vs_sdpa", "vs_eager")}
-                for r in sweep
-            ]
-        )
-    )
+    print(format_table([{k: r.get(k) for k in SWEEP_COLUMNS} for r in sweep]))
     write_json(args.json, payload)
     if args.plot:
         _plot(args.plot, sweep)

@@ -43,13 +43,29 @@ def check_attention() -> None:
         ([[0], [0]], [0, 8], [1, 5], [1, 0], 1, 8, "flash", 1),
     ]
     for i, (kept, prefix, tail, q_len, group, bs, layout, splits) in enumerate(cases):
-        case = random_paged_case(kept, prefix, tail, q_len, group=group, head_dim=32,
-                                 block_size=bs, layout=layout, seed=i)
-        args = (case.queries, case.key_pool, case.value_pool, case.block_table,
-                case.cu_seqlens_q, case.lengths)
+        case = random_paged_case(
+            kept,
+            prefix,
+            tail,
+            q_len,
+            group=group,
+            head_dim=32,
+            block_size=bs,
+            layout=layout,
+            seed=i,
+        )
+        args = (
+            case.queries,
+            case.key_pool,
+            case.value_pool,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
+        )
         want, want_mass = paged_attention_reference(*args, return_key_mass=True)
-        got, mass = paged_attention.paged_attention(*args, return_key_mass=True,
-                                                    num_splits=splits, block_n=16)
+        got, mass = paged_attention.paged_attention(
+            *args, return_key_mass=True, num_splits=splits, block_n=16
+        )
         assert mass is not None and want_mass is not None
         check(f"paged attention case {i}", got, want)
         check(f"paged attention mass case {i}", mass, want_mass)
@@ -67,22 +83,39 @@ def check_window_scores() -> None:
     k = torch.randn(1, 2, 40, 16, generator=gen)
     pos = torch.tensor([0, 3, 10, 20, 39, 39])
     want, _ = window_scores_reference(q, k, query_positions=pos)
-    check("window scores custom positions",
-          window_scores.window_scores(q, k, query_positions=pos, block_m=16, block_n=16), want)
+    check(
+        "window scores custom positions",
+        window_scores.window_scores(q, k, query_positions=pos, block_m=16, block_n=16),
+        want,
+    )
 
 
 def check_moves() -> None:
-    case = random_paged_case([[8, 3], [5, 8]], [8, 8], [4, 4], [1, 1], group=1, head_dim=32,
-                             block_size=4, poison=False, seed=7)
-    keep = [torch.tensor([1, 4, 7]), torch.tensor([0, 9, 10, 11]), torch.tensor([2]),
-            torch.tensor([], dtype=torch.int64)]
+    case = random_paged_case(
+        [[8, 3], [5, 8]],
+        [8, 8],
+        [4, 4],
+        [1, 1],
+        group=1,
+        head_dim=32,
+        block_size=4,
+        poison=False,
+        seed=7,
+    )
+    keep = [
+        torch.tensor([1, 4, 7]),
+        torch.tensor([0, 9, 10, 11]),
+        torch.tensor([2]),
+        torch.tensor([], dtype=torch.int64),
+    ]
     moves = compaction_moves(keep, 2)
     table = case.block_table
     want_cache = case.cache.clone()
     wk, wv = want_cache[..., :32].transpose(1, 2), want_cache[..., 32:].transpose(1, 2)
     move_slots_reference(wk, wv, table, wk, wv, table, moves)
-    compaction_copy.move_slots(case.key_pool, case.value_pool, table, case.key_pool,
-                               case.value_pool, table, moves)
+    compaction_copy.move_slots(
+        case.key_pool, case.value_pool, table, case.key_pool, case.value_pool, table, moves
+    )
     check("compaction in place (staged)", case.cache, want_cache, 0.0)
     dst = torch.zeros_like(case.cache)
     dk, dv = dst[..., :32].transpose(1, 2), dst[..., 32:].transpose(1, 2)

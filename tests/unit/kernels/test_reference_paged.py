@@ -1,0 +1,94 @@
+"""The paged torch reference against the core ragged reference, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcompact.attention.reference import ragged_attention
+from lmcompact.kernels.reference_paged import paged_attention_reference, visible_slots
+from lmcompact.kernels.synthetic import random_paged_case
+from lmcompact.layout.paged import PagedLengths, vllm_kv_views
+
+CASES = [
+    # kept (B x Hkv), prefix, tail, q_len
+    ([[5, 0, 1], [16, 7, 3]], [16, 32], [3, 9], [1, 1]),
+    ([[0, 1], [9, 2]], [12, 16], [40, 33], [30, 30]),
+    ([[0], [0]], [0, 8], [4, 5], [2, 2]),
+]
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flash"])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_paged_reference_matches_ragged_reference(layout: str, index: int) -> None:
+    kept, prefix, tail, q_len = CASES[index]
+    case = random_paged_case(
+        kept, prefix, tail, q_len, group=3, head_dim=16, block_size=4, layout=layout, seed=index
+    )
+    out, mass = paged_attention_reference(
+        case.queries,
+        case.key_pool,
+        case.value_pool,
+        case.block_table,
+        case.cu_seqlens_q,
+        case.lengths,
+        return_key_mass=True,
+    )
+    assert mass is not None
+    assert not torch.isnan(out).any(), "a poisoned (hole or padding) slot was read"
+    layer, query_positions = case.to_ragged()
+    b, s = query_positions.shape
+    hq, d = case.queries.shape[1:]
+    queries = case.queries.view(b, s, hq, d).transpose(1, 2)
+    want, want_mass = ragged_attention(queries, layer, query_positions, return_key_mass=True)
+    assert want_mass is not None
+    torch.testing.assert_close(out, want.transpose(1, 2).reshape(b * s, hq, d))
+    flat = torch.cat(
+        [
+            mass[bb, h, visible_slots(case.lengths, bb, h)]
+            for bb in range(b)
+            for h in range(len(kept[0]))
+        ]
+    )
+    torch.testing.assert_close(flat, want_mass)
+
+
+def test_mass_is_zero_outside_visible_slots() -> None:
+    case = random_paged_case([[3, 8]], [8], [5], [2], group=2, head_dim=8, block_size=4)
+    _, mass = paged_attention_reference(
+        case.queries,
+        case.key_pool,
+        case.value_pool,
+        case.block_table,
+        case.cu_seqlens_q,
+        case.lengths,
+        return_key_mass=True,
+    )
+    assert mass is not None
+    assert float(mass[0, 0, 3:8].abs().sum()) == 0.0  # head 0's hole
+    torch.testing.assert_close(mass.sum(-1), torch.full((1, 2), 2.0))  # 2 queries, rows sum to 1
+
+
+def test_vllm_views_are_token_major_k_then_v() -> None:
+    cache = torch.arange(2 * 3 * 4 * 10, dtype=torch.float32).view(2, 3, 4, 10)
+    k, v = vllm_kv_views(cache)
+    assert k.shape == (2, 4, 3, 5)
+    torch.testing.assert_close(k[1, 2, 0], cache[1, 0, 2, :5])
+    torch.testing.assert_close(v[1, 2, 0], cache[1, 0, 2, 5:])
+    with pytest.raises(ValueError, match="2\\*head_dim"):
+        vllm_kv_views(torch.zeros(2, 3, 4, 5))
+
+
+def test_lengths_validation_names_the_problem() -> None:
+    good = PagedLengths(torch.tensor([[2, 4]]), torch.tensor([4]), torch.tensor([9]))
+    good.validate(2, 12, 4)
+    with pytest.raises(ValueError, match="kept"):
+        PagedLengths(torch.tensor([[5, 4]]), torch.tensor([4]), torch.tensor([9])).validate(
+            2, 12, 4
+        )
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        PagedLengths(torch.tensor([[2, 3]]), torch.tensor([3]), torch.tensor([9])).validate(
+            2, 12, 4
+        )
+    with pytest.raises(ValueError, match="seq_len"):
+        good.validate(2, 8, 4)
