@@ -1,0 +1,175 @@
+"""PagedCache: a transformers ``Cache`` over a preallocated pool of KV blocks.
+
+Use it with ``model.generate`` after switching the model's attention to
+``"lmcompact"``::
+
+    from lmcompact.hf.attention import enable_lmcompact_attention
+    from lmcompact.hf.paged import PagedCache
+
+    enable_lmcompact_attention(model)
+    cache = PagedCache(model.config, num_blocks=4096, block_size=64)
+    out = model.generate(ids, num_beams=4, past_key_values=cache)
+    cache.reset()                       # every block back to the pool
+
+One :class:`~lmcompact.hf.paged.blocks.BlockPool` serves all layers; each
+layer has its own block table (so per-layer compaction frees per-layer
+blocks)::
+
+    pool    [ L0 prompt | L1 prompt | ... | L0 beam tails | L1 ... | free ... ]
+    layer 0 table  row b -> [ 0  1  2 ... | 961 ]
+    layer 1 table  row b -> [ 32 33 34 ...| 962 ]
+
+Beam search calls :meth:`reorder_cache`: rows of every table are permuted and
+reference counts move; no K/V is copied, except the partly filled last block
+when two beams that share it next write (copy-on-write). ``kv_dtype="int8"``
+stores K/V as int8 with per-(head, token) scales; ``policy`` compacts the
+prompt at the end of prefill with any lmcompact policy, freeing whole blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from lmcompact.hf.paged.blocks import BlockPool
+from lmcompact.hf.paged.compaction import PrefillObserver, compact_layers
+from lmcompact.hf.paged.layer import PagedLayer, SharedPool
+from lmcompact.hf.paged.storage import KV_DTYPES, StorageSpec
+from lmcompact.plan import KeepPlan
+from lmcompact.policies import CompactionPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def blocks_needed(config: Any, rows: int, max_tokens: int, block_size: int = 64) -> int:
+    """Blocks for ``rows`` sequences of up to ``max_tokens`` with no sharing at all.
+
+    Includes one spare block per row and layer for copy-on-write. Beam search
+    with a shared prompt uses far fewer; this is the safe upper bound.
+    """
+    per_row = -(-max_tokens // block_size) + 1
+    return int(config.num_hidden_layers) * rows * per_row
+
+
+class PagedCache(Cache):
+    """A paged KV cache for Llama-family models in ``generate`` (greedy, sampling, beams).
+
+    Args:
+        config: The model config (layers, kv heads, head_dim are read from it).
+        num_blocks: Blocks in the pool, shared by all layers (see :func:`blocks_needed`).
+        block_size: Token slots per block.
+        kv_dtype: ``"auto"`` (the model's dtype) or ``"int8"``.
+        policy: Optional compaction policy applied at the end of prefill.
+        window_size: Observation window for the policy's attention statistics.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        num_blocks: int,
+        block_size: int = 64,
+        kv_dtype: str = "auto",
+        policy: CompactionPolicy | None = None,
+        window_size: int | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        self.shared = SharedPool(
+            pool=BlockPool(num_blocks),
+            block_size=block_size,
+            num_kv_heads=int(config.num_key_value_heads),
+            head_dim=_head_dim(config),
+            kv_dtype=kv_dtype,
+        )
+        self.observer = PrefillObserver(policy, window_size) if policy is not None else None
+        self.shared.prefill_observer = self.observer
+        self.last_plan: KeepPlan | None = None
+        layers = [PagedLayer(self.shared, i) for i in range(int(config.num_hidden_layers))]
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ writes
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact first if a prefill just ended, then write through the layer."""
+        if layer_idx == 0 and self.observer is not None and self.observer.pending:
+            self.compact_now()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def compact_now(self) -> KeepPlan:
+        """Plan and apply the policy to the prompt held now (normally automatic)."""
+        if self.observer is None:
+            raise ValueError("this PagedCache has no policy; pass policy= to compact")
+        storage = self.shared.storage
+        if storage is None:
+            raise RuntimeError("nothing to compact: the cache is empty")
+        before = self.shared.pool.num_used
+        self.last_plan = compact_layers(self.paged_layers, self.observer, self.shared.pool, storage)
+        logger.info(
+            "compacted %s: %d -> %d blocks in use",
+            self.observer.policy.name,
+            before,
+            self.shared.pool.num_used,
+        )
+        return self.last_plan
+
+    def reset(self) -> None:
+        """Give every block back to the pool and forget any pending compaction."""
+        super().reset()
+        if self.observer is not None:
+            self.observer.layers.clear()
+            self.observer.pending = False
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.shared.pool
+
+    @property
+    def spec(self) -> StorageSpec | None:
+        storage = self.shared.storage
+        return storage.spec if storage is not None else None
+
+    def kv_bytes(self, blocks: int | None = None) -> int:
+        """Bytes of K/V (scales included) in ``blocks`` blocks (default: in use now)."""
+        spec = self.spec
+        if spec is None:
+            return 0
+        return (self.pool.num_used if blocks is None else blocks) * spec.bytes_per_block
+
+    def peak_kv_bytes(self) -> int:
+        """K/V bytes of the most blocks ever in use at once."""
+        return self.kv_bytes(self.pool.peak_used)
+
+    def expected_refcounts(self) -> torch.Tensor:
+        """``(num_blocks,)`` references recounted from every layer's block table."""
+        counts = torch.zeros(self.pool.num_blocks, dtype=torch.int64)
+        for layer in self.paged_layers:
+            if layer.table is not None and layer.table.blocks.numel():
+                ids = layer.table.blocks.reshape(-1)
+                counts.index_add_(0, ids, torch.ones_like(ids))
+        return counts
+
+    def check_accounting(self) -> None:
+        """Raise unless pool counts equal the tables' references exactly."""
+        self.pool.check_counts(self.expected_refcounts())

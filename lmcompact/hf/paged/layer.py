@@ -1,0 +1,269 @@
+"""One model layer of a :class:`~lmcompact.hf.paged.cache.PagedCache`.
+
+``update()`` is the only write path: it appends the new tokens' K/V to the
+layer's block table (copy-on-write of a shared partial block, new blocks from
+the pool) and returns the new keys *tagged* with the layer (see
+:mod:`lmcompact.hf.attention`). The ``"lmcompact"`` attention function then
+calls :meth:`PagedLayer.attend`, which reads the pool through the table::
+
+    update(k, v)  ->  table.append / storage.write  ->  (tagged k, v)
+    attend(q)     ->  prefill of an empty layer: causal SDPA on k, v as given
+                      decode (1 query/row):  shared_block_attention (CPU) or
+                                             the Triton paged kernel (CUDA)
+                      other:                 gathered_attention
+
+A prefill whose rows are bitwise identical (``generate`` repeats the prompt
+once per beam) is stored once and its blocks are shared by every row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from lmcompact.hf.attention import causal_sdpa, tag
+from lmcompact.hf.paged.attention import gathered_attention, shared_block_attention
+from lmcompact.hf.paged.blocks import BlockPool
+from lmcompact.hf.paged.storage import KVStorage, StorageSpec
+from lmcompact.hf.paged.table import BlockTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SharedPool:
+    """What every layer of one cache shares: the block pool and its storage.
+
+    The storage is created on the first write, when dtype and device are known.
+    """
+
+    pool: BlockPool
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    storage: KVStorage | None = None
+    prefill_observer: Any = field(default=None)
+
+    def storage_for(self, like: torch.Tensor) -> KVStorage:
+        if self.storage is None:
+            spec = StorageSpec(
+                num_blocks=self.pool.num_blocks,
+                block_size=self.block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=like.dtype,
+                kv_dtype=self.kv_dtype,
+            )
+            self.storage = KVStorage(spec, like.device)
+        return self.storage
+
+
+class PagedLayer(CacheLayerMixin):
+    """Block table, slot ranges and logical length of one layer.
+
+    Attributes:
+        table: The layer's :class:`BlockTable`, None before the first write.
+        seen: Tokens this layer has seen (the next token's position).
+        kept_positions: ``(B, Hkv, tail_start)`` original positions of the
+            compacted slots (valid below ``table.kept``), None if never compacted.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, shared: SharedPool, layer_idx: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.layer_idx = layer_idx
+        self.table: BlockTable | None = None
+        self.seen = 0
+        self.kept_positions: torch.Tensor | None = None
+        self._fresh_prefill = False
+        self._awaiting_attend = False
+
+    # ------------------------------------------------------------ transformers
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.shared.storage_for(key_states)
+        self.table = BlockTable.empty(
+            key_states.shape[0], self.shared.num_kv_heads, self.shared.block_size
+        )
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``(B, Hkv, S, D)`` new keys/values; return the keys tagged for attention."""
+        if self._awaiting_attend:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the last update was never attended; a PagedCache "
+                "needs the model's attention set to 'lmcompact' "
+                "(lmcompact.hf.attention.enable_lmcompact_attention(model))"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        table, storage = self._state()
+        b, h, s, _ = key_states.shape
+        if b != table.batch_size or h != table.num_kv_heads:
+            raise ValueError(
+                f"layer {self.layer_idx}: got K/V for {b} rows x {h} kv heads, the cache holds "
+                f"{table.batch_size} rows x {table.num_kv_heads} kv heads"
+            )
+        if table.num_slots == 0 and b > 1 and _rows_identical(key_states, value_states):
+            self._write_shared_prefill(key_states, value_states)
+        else:
+            slots = table.append(s, self.shared.pool, storage)
+            blocks, offsets = (
+                table.blocks.gather(1, slots // table.block_size),
+                slots % table.block_size,
+            )
+            flat = key_states.transpose(0, 1).reshape(h, b * s, -1)
+            flat_v = value_states.transpose(0, 1).reshape(h, b * s, -1)
+            storage.write(blocks.reshape(-1), offsets.reshape(-1), flat, flat_v)
+        self._fresh_prefill = self.seen == 0
+        self.seen += s
+        self._awaiting_attend = True
+        return tag(key_states, self), value_states
+
+    def _write_shared_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        table, storage = self._state()
+        b, s = key_states.shape[0], key_states.shape[2]
+        bs = table.block_size
+        ids = self.shared.pool.allocate(-(-s // bs))
+        self.shared.pool.incref(ids.repeat(b - 1))
+        table.blocks = ids.expand(b, -1).clone()
+        table.num_slots = s
+        slots = torch.arange(s)
+        storage.write(ids[slots // bs], slots % bs, key_states[0], value_states[0])
+        logger.debug(
+            "layer %d: prefill of %d rows stored once (%d blocks)", self.layer_idx, b, len(ids)
+        )
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Attention output ``(B, S, Hq, D)`` for ``(B, Hq, S, D)`` queries of the last update."""
+        self._awaiting_attend = False
+        table, storage = self._state()
+        if self._fresh_prefill:
+            self._fresh_prefill = False
+            observer = self.shared.prefill_observer
+            if observer is not None:
+                observer.observe_prefill(self, query, key, scaling)
+            return causal_sdpa(module, query, key, value, scaling, **kwargs)
+        if query.shape[2] == 1:
+            if _use_kernel(query, storage):
+                return _kernel_attention(query, storage, table, scaling)
+            return shared_block_attention(query, storage, table, scaling)
+        return gathered_attention(query, storage, table, scaling)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Permute rows by ``beam_idx``: block ids and counts move, K/V stay where they are."""
+        if self.table is None:
+            return
+        self.table.reorder(beam_idx, self.shared.pool)
+        if self.kept_positions is not None:
+            self.kept_positions = self.kept_positions[beam_idx.cpu()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.table is not None:
+            self._select(torch.arange(self.table.batch_size).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.table is not None:
+            self._select(torch.as_tensor(indices).cpu())
+
+    def _select(self, rows: torch.Tensor) -> None:
+        assert self.table is not None
+        self.table.select(rows, self.shared.pool)
+        if self.kept_positions is not None:
+            self.kept_positions = self.kept_positions[rows]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (or keep ``tokens_to_remove``, legacy)."""
+        if self.table is None or tokens_to_remove == 0:
+            return
+        remove = -tokens_to_remove if tokens_to_remove < 0 else self.seen - tokens_to_remove
+        if remove <= 0:
+            return
+        self.table.truncate(self.table.num_slots - remove, self.shared.pool)
+        self.seen -= remove
+
+    def reset(self) -> None:
+        """Give every block back to the pool; the layer is empty afterwards."""
+        if self.table is not None:
+            self.table.release(self.shared.pool)
+        self.table = None
+        self.seen = 0
+        self.kept_positions = None
+        self._fresh_prefill = self._awaiting_attend = False
+        self.is_initialized = False
+
+    # ----------------------------------------------------------------- helpers
+    def _state(self) -> tuple[BlockTable, KVStorage]:
+        if self.table is None or self.shared.storage is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no data yet")
+        return self.table, self.shared.storage
+
+
+def _rows_identical(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    return all(
+        torch.equal(keys[0], keys[row]) and torch.equal(values[0], values[row])
+        for row in range(1, keys.shape[0])
+    )
+
+
+def _use_kernel(query: torch.Tensor, storage: KVStorage) -> bool:
+    if query.device.type != "cuda" or storage.spec.quantized:
+        return False
+    from lmcompact.kernels.dispatch import use_kernels
+
+    return use_kernels(query.device)
+
+
+def _kernel_attention(
+    query: torch.Tensor, storage: KVStorage, table: BlockTable, scaling: float
+) -> torch.Tensor:
+    """The Triton paged kernel through :mod:`lmcompact.kernels.dispatch` (CUDA, float KV)."""
+    from lmcompact.kernels.dispatch import paged_attention
+
+    b, hq, s, d = query.shape
+    key_pool, value_pool = storage.paged_views()
+    device = query.device
+    lengths = table.lengths()
+    lengths = type(lengths)(
+        *(t.to(device) for t in (lengths.kept, lengths.tail_start, lengths.seq_len))
+    )
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+    out, _ = paged_attention(
+        query.transpose(1, 2).reshape(b * s, hq, d),
+        key_pool,
+        value_pool,
+        table.blocks.to(device=device, dtype=torch.int32),
+        cu,
+        lengths,
+        scale=scaling,
+        validate=False,
+    )
+    return out.view(b, s, hq, d)
