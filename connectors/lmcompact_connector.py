@@ -93,10 +93,14 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, LMCompactMetadata):
+            raise TypeError(f"expected LMCompactMetadata, got {type(connector_metadata)!r}")
+        self._worker().begin_step(connector_metadata.step)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, LMCompactMetadata)
-        self._worker().start_load(metadata.step, forward_context)
+        self._worker().prepare(forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete inside start_load_kv

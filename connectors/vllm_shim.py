@@ -196,14 +196,17 @@ def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
 
 
-ForwardHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], None]
+BeforeHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], Any]
+AfterHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], None]
 
 
-def wrap_attention_forward(name: str, layer: Any, before: ForwardHook,
-                           after: ForwardHook) -> None:
-    """Call ``before(name, layer, query, metadata, kv_cache)`` ahead of a layer's attention
-    and ``after(name, layer, query, metadata, output)`` behind it (instance-level patch,
-    idempotent: a second wrap replaces the first)."""
+def wrap_attention_forward(name: str, layer: Any, before: BeforeHook, after: AfterHook) -> None:
+    """Patch one layer's attention implementation (instance level, idempotent).
+
+    ``before(name, layer, query, metadata, kv_cache)`` runs ahead of the kernel and returns
+    the metadata to use (it may swap in a copy that skips holes); ``after(name, layer, query,
+    metadata, output)`` runs behind it. Both see post-RoPE queries ``(tokens, heads, D)``.
+    """
     impl = layer.impl
     original = getattr(impl, "_lmcompact_original_forward", None) or impl.forward
 
@@ -211,7 +214,7 @@ def wrap_attention_forward(name: str, layer: Any, before: ForwardHook,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
         if attn_metadata is not None:
-            before(name, layer_arg, query, attn_metadata, kv_cache)
+            attn_metadata = before(name, layer_arg, query, attn_metadata, kv_cache)
         result = original(layer_arg, query, key, value, kv_cache, attn_metadata, output,
                           *args, **kwargs)
         if attn_metadata is not None:
@@ -220,6 +223,17 @@ def wrap_attention_forward(name: str, layer: Any, before: ForwardHook,
 
     impl._lmcompact_original_forward = original
     impl.forward = forward
+
+
+def current_forward_context() -> Any:
+    """The forward context of the running step (vLLM sets it around every forward pass).
+
+    In vLLM 0.32 ``start_load_kv`` runs *after* the forward pass unless the step has
+    synchronous loads, so per-step preparation happens at the first attention call.
+    """
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context()
 
 
 def forward_metadata(forward_context: Any) -> dict[str, Any]:

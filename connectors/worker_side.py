@@ -52,6 +52,8 @@ class WorkerHalf:
         self.layer_index: dict[str, int] = {}
         self.observers: list[AttentionObserver] = []
         self._meta: StepMetadata | None = None
+        self._prepared = False
+        self._edited: dict[int, Any] = {}
         self._capture_rows: dict[str, torch.Tensor] = {}
         self._captured: dict[str, list[list[torch.Tensor]]] = {}
         self._captured_pos: dict[str, list[int]] = {}
@@ -87,8 +89,19 @@ class WorkerHalf:
                     self.kept, self.config.chunk_size)
 
     # ------------------------------------------------------------------ per step
-    def start_load(self, meta: StepMetadata, forward_context: Any) -> None:
+    def begin_step(self, meta: StepMetadata) -> None:
+        """The step's metadata was bound (always before its forward pass)."""
         self._meta = meta
+        self._prepared = False
+        self._edited = {}
+
+    def prepare(self, forward_context: Any) -> None:
+        """Loads, capture rows and hole edits of the bound step; runs once per step, from
+        ``start_load_kv`` or from the first attention call, whichever comes first."""
+        meta = self._meta
+        if meta is None or self._prepared:
+            return
+        self._prepared = True
         for req_id in meta.finished:
             self._captured.pop(req_id, None)
             self._captured_pos.pop(req_id, None)
@@ -131,17 +144,20 @@ class WorkerHalf:
         return rows
 
     def _skip_holes(self, meta: StepMetadata, per_layer: dict[str, Any]) -> None:
-        edited: dict[int, Any] = {}
+        """Swap every layer's metadata for a copy whose block tables skip the holes."""
         for name, attn_metadata in per_layer.items():
             key = id(attn_metadata)
-            if key not in edited:
-                edited[key] = shim.apply_holes(attn_metadata, meta.holes, self.facts.block_size,
-                                               self.layers[name], self.facts.dtype)
-            per_layer[name] = edited[key]
+            if key not in self._edited:
+                self._edited[key] = shim.apply_holes(attn_metadata, meta.holes,
+                                                     self.facts.block_size, self.layers[name],
+                                                     self.facts.dtype)
+            per_layer[name] = self._edited[key]
 
     def _before_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
-                          kv_cache: torch.Tensor) -> None:
-        return None
+                          kv_cache: torch.Tensor) -> Any:
+        if not self._prepared and self._meta is not None:
+            self.prepare(shim.current_forward_context())
+        return self._edited.get(id(attn_metadata), attn_metadata)
 
     def _after_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
                          output: torch.Tensor) -> None:
@@ -156,7 +172,8 @@ class WorkerHalf:
     def wait_for_save(self) -> None:
         meta, self._meta = self._meta, None
         self._capture_rows = {}
-        if meta is None:
+        self._edited = {}
+        if meta is None or not self._prepared:
             return
         for spec in meta.saves:
             job = self._copy_job(spec)
