@@ -1,0 +1,95 @@
+"""Run an in-process vLLM engine with the connector (demo, benchmark, examples, tests).
+
+In-process means ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler and the worker share
+one process, so both halves see the same embedded CPU store tier. Set the environment
+before vLLM is imported (:func:`in_process_env` does it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_BLOCK_SIZE = 32
+
+
+def in_process_env(kv_cache_gib: int = 2) -> None:
+    """Environment for a fast in-process CPU engine (call before importing vLLM)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def transfer_config(extra: Mapping[str, Any]) -> Any:
+    """A ``KVTransferConfig`` that loads :class:`LMCompactConnector` with ``extra`` options."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LMCompactConnector",
+        kv_connector_module_path="connectors.lmcompact_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+    )
+
+
+def build_llm(model: str, extra: Mapping[str, Any] | None, *, dtype: str = "float32",
+              max_model_len: int = 4096, block_size: int = DEFAULT_BLOCK_SIZE) -> Any:
+    """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
+
+    Prefix caching is off: a compacting policy requires it, and it keeps "store hit" and
+    "recompute" comparable.
+    """
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if extra is not None:
+        kwargs["kv_transfer_config"] = transfer_config(extra)
+    return LLM(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+               enforce_eager=True, enable_prefix_caching=False,
+               max_num_batched_tokens=max_model_len, seed=0, **kwargs)
+
+
+def worker_connector() -> Any:
+    """The in-process worker-side :class:`LMCompactConnector`, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    seconds: float
+
+
+def generate(llm: Any, prompt_ids: list[int], max_tokens: int) -> Generation:
+    """Greedy generation of one prompt, timed (wall clock, seconds)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    began = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - began
+    return Generation(list(out.outputs[0].token_ids), out.outputs[0].text, seconds)
+
+
+def connector_stats() -> dict[str, Any]:
+    """Worker counters (bytes stored/full, chunks, compaction time) after pending saves."""
+    connector = worker_connector()
+    if connector is None or connector.worker_half is None:
+        return {}
+    connector.worker_half.drain()
+    return dict(connector.worker_half.stats)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an in-process engine (and the connector's background saver)."""
+    connector = worker_connector()
+    if connector is not None and connector.worker_half is not None:
+        connector.worker_half.drain()
+    llm.llm_engine.engine_core.shutdown()
