@@ -281,13 +281,11 @@ def _decode_rows(args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
             for bn, nw, ns, splits in (
                 (64, 4, 3, None),
                 (128, 4, 3, None),
-                (64, 4, 4, None),
-                (32, 4, 4, None),
-                (64, 8, 3, None),
-                (64, 4, 3, 8),
-                (64, 4, 3, 16),
-                (128, 8, 3, 8),
-                (64, 4, 2, 4),
+                (128, 4, 4, None),
+                (128, 8, 3, None),
+                (128, 4, 3, 4),
+                (128, 4, 3, 16),
+                (128, 4, 3, 32),
             ):
                 try:
                     v_ms = _bench(

@@ -40,6 +40,7 @@ def _window_pass_kernel(
     scale_log2,
     seq_len,
     window,
+    min_pos,
     head_dim,
     stride_qb,
     stride_qh,
@@ -76,6 +77,8 @@ def _window_pass_kernel(
     )
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     num_rows = GROUP * window
+    # keys up to min_pos are seen by every query (min_pos < 0: unknown, always mask)
+    tile_seen = pid_n * BLOCK_N + BLOCK_N - 1 <= min_pos
     for r0 in range(0, num_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
@@ -90,24 +93,34 @@ def _window_pass_kernel(
         else:
             pos = tl.load(pos_ptr + w, mask=row_ok, other=-1)
         s = tl.dot(q, k) * scale_log2
-        seen = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= pos[:, None])
         l_off = b * stride_lb + h * stride_lh + rows * stride_lr
-        if MASS:
-            lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-            live = lse > float("-inf")
-            p = tl.exp2(s - tl.where(live, lse, 0.0)[:, None])
-            acc += tl.where(seen & live[:, None], p, 0.0)
+        if tile_seen and r0 + BLOCK_M <= num_rows:  # every row sees every key: no masks
+            if MASS:
+                lse = tl.load(lse_ptr + l_off) * 1.4426950408889634
+                acc += tl.exp2(s - lse[:, None])
+            else:
+                m = tl.max(s, 1)
+                part = (m + tl.log2(tl.sum(tl.exp2(s - m[:, None]), 1))) * 0.6931471805599453
+                tl.store(lse_ptr + l_off + pid_n, part)
         else:
-            s = tl.where(seen, s, float("-inf"))
-            m = tl.max(s, 1)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            part = tl.where(
-                total > 0.0,
-                (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
-                float("-inf"),
-            )
-            tl.store(lse_ptr + l_off + pid_n, part, mask=row_ok)
+            seen = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= pos[:, None])
+            if MASS:
+                lse = tl.load(lse_ptr + l_off, mask=row_ok, other=float("-inf"))
+                lse = lse * 1.4426950408889634
+                live = lse > float("-inf")
+                p = tl.exp2(s - tl.where(live, lse, 0.0)[:, None])
+                acc += tl.where(seen & live[:, None], p, 0.0)
+            else:
+                s = tl.where(seen, s, float("-inf"))
+                m = tl.max(s, 1)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+                part = tl.where(
+                    total > 0.0,
+                    (m_safe + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
+                    float("-inf"),
+                )
+                tl.store(lse_ptr + l_off + pid_n, part, mask=row_ok)
     if MASS:
         o_off = b * stride_ob + h * stride_oh + j
         tl.store(out_ptr + o_off, tl.sum(acc, 0) / GROUP, mask=j_ok)
@@ -194,7 +207,8 @@ def window_scores(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    args = (scale * LOG2E, t, w, d, *queries.stride()[:3], *keys.stride()[:3])
+    min_pos = t - w if query_positions is None else -1
+    args = (scale * LOG2E, t, w, min_pos, d, *queries.stride()[:3], *keys.stride()[:3])
     grid = (b * hkv, n_tiles)
     _window_pass_kernel[grid](
         queries,
