@@ -45,10 +45,10 @@ def build_llm(model: str, extra: Mapping[str, Any] | None, *, dtype: str = "floa
     """
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"dtype": dtype}
     if extra is not None:
         kwargs["kv_transfer_config"] = transfer_config(extra)
-    return LLM(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+    return LLM(model=model, block_size=block_size, max_model_len=max_model_len,
                enforce_eager=True, enable_prefix_caching=False,
                max_num_batched_tokens=max_model_len, seed=0, **kwargs)
 
