@@ -1,0 +1,132 @@
+"""Run an in-process vLLM CPU engine with the memory connector and look inside its pool."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BLOCK_SIZE = 32
+
+
+def memory_transfer_config(extra: Mapping[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LMCompactMemoryConnector",
+        kv_connector_module_path="connectors.memory.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+    )
+
+
+@contextmanager
+def memory_engine(
+    model: str,
+    extra: Mapping[str, Any] | None,
+    *,
+    num_blocks: int | None = None,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 2048,
+) -> Iterator[Any]:
+    """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector.
+
+    Args:
+        num_blocks: KV blocks in the pool (``num_gpu_blocks_override``), None for vLLM's
+            own sizing.
+    """
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if extra is not None:
+        kwargs["kv_transfer_config"] = memory_transfer_config(extra)
+    if num_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = num_blocks
+        # vLLM refuses a pool that cannot hold one max-length request (block 0 is null)
+        max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=0,
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler(llm: Any) -> Any:
+    """The engine core's scheduler (in-process mode only)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def kv_manager(llm: Any) -> Any:
+    return scheduler(llm).kv_cache_manager
+
+
+def held_blocks(llm: Any, req_id: str) -> int:
+    """Non-null blocks the request holds now."""
+    rows = kv_manager(llm).coordinator.single_type_managers[0].req_to_blocks
+    return sum(1 for block in rows.get(req_id, []) if not block.is_null)
+
+
+def engine_request_ids(llm: Any) -> dict[str, str]:
+    """External request id -> engine request id, for requests the scheduler knows."""
+    return {rid.rsplit("-", 1)[0]: rid for rid in scheduler(llm).requests}
+
+
+def kv_layers(llm: Any) -> list[Any]:
+    """The worker's paged KV tensors, one per layer."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return list(get_kv_transfer_group().worker_half.kv_caches.values())
+
+
+StepHook = Callable[[int, list[Any]], None]
+
+
+def run(
+    llm: Any,
+    prompts: Mapping[str, list[int]],
+    max_tokens: int | Mapping[str, int],
+    on_step: StepHook | None = None,
+) -> dict[str, list[int]]:
+    """Add every prompt, step the engine to the end, return greedy tokens per request id.
+
+    ``on_step(step_index, outputs)`` runs after each engine step (it may abort requests).
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    for req_id, ids in prompts.items():
+        n = max_tokens if isinstance(max_tokens, int) else max_tokens[req_id]
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(req_id, {"prompt_token_ids": list(ids)}, params)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step(step, outputs)
+        step += 1
+    return tokens
