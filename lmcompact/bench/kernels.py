@@ -139,11 +139,12 @@ def _window_row(t: int, w: int, args: argparse.Namespace, eager: bool) -> dict[s
         variants: list[dict[str, Any]] = []
         for bm, bn, nw, ns in (
             (64, 128, 4, 2),
-            (64, 64, 4, 2),
+            (64, 128, 4, 3),
+            (64, 128, 4, 1),
+            (64, 128, 8, 2),
+            (64, 128, 8, 3),
+            (64, 64, 4, 3),
             (128, 128, 8, 2),
-            (64, 256, 8, 2),
-            (128, 64, 4, 3),
-            (32, 128, 4, 2),
         ):
             ms = _bench(
                 lambda bm=bm, bn=bn, nw=nw, ns=ns: ws.window_scores(
