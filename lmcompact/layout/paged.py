@@ -124,8 +124,11 @@ class PagedLengths:
                 f"tail_start and seq_len must be ({b},); got {tuple(self.tail_start.shape)} "
                 f"and {tuple(self.seq_len.shape)}"
             )
-        for name, t in (("kept", self.kept), ("tail_start", self.tail_start),
-                        ("seq_len", self.seq_len)):
+        for name, t in (
+            ("kept", self.kept),
+            ("tail_start", self.tail_start),
+            ("seq_len", self.seq_len),
+        ):
             if t.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
         kept, start, end = self.kept.cpu(), self.tail_start.cpu(), self.seq_len.cpu()
