@@ -1,0 +1,139 @@
+"""Block accounting of the memory connector under load: packs, holes, aborts, preemption.
+
+A pool far too small for the workload forces vLLM to preempt (and later recompute)
+compacted requests; some requests are aborted mid-prefill and mid-decode. After every
+engine step the pool must be consistent (no block both free and held, reference counts
+equal to holders), and at the end every block is free again. The same workload then runs
+with every free block overwritten by garbage after each step: identical tokens show that
+attention never reads a block that went back to the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from connectors.memory.blocks import audit_pool
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
+from tests.integration.vllm_memory.harness import (
+    kv_layers,
+    kv_manager,
+    memory_engine,
+    run,
+    scheduler,
+)
+
+pytestmark = pytest.mark.integration
+
+NUM_BLOCKS = 30
+LENGTHS = [400, 260, 520, 300, 610, 350, 470, 280, 560, 330, 420, 500]
+PROMPTS = {f"q{i}": tiny_prompt_ids(n, seed=100 + i) for i, n in enumerate(LENGTHS)}
+MAX_TOKENS = {rid: 120 + 15 * i for i, rid in enumerate(PROMPTS)}
+ABORTS = {2: ["q11"], 6: ["q3"], 14: ["q7"]}  # engine step -> requests aborted after it
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+class Watch:
+    """Per-step checks, aborts and (optionally) garbage in free blocks."""
+
+    def __init__(self, llm: Any, poison: bool) -> None:
+        self.llm = llm
+        self.poison = poison
+        self.problems: list[str] = []
+        self.preemptions = 0
+        self.aborted: list[str] = []
+        self.min_free = NUM_BLOCKS
+        sched = scheduler(llm)
+        original = sched._preempt_request
+
+        def counting(request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.preemptions += 1
+            return original(request, *args, **kwargs)
+
+        sched._preempt_request = counting
+        self.gen = torch.Generator().manual_seed(7)
+
+    def __call__(self, step: int, outputs: list[Any]) -> None:
+        manager = kv_manager(self.llm)
+        audit = audit_pool(manager)
+        if not audit.ok:
+            self.problems.append(f"step {step}: {audit}")
+        self.min_free = min(self.min_free, audit.num_free)
+        for req_id in ABORTS.get(step, []):
+            self.llm.llm_engine.abort_request([req_id])
+            self.aborted.append(req_id)
+        if self.poison:
+            free = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+            index = torch.tensor(free, dtype=torch.int64)
+            for kv in kv_layers(self.llm):
+                noise = torch.randn(kv[index].shape, generator=self.gen) * 50.0
+                kv[index] = noise.to(kv.dtype)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"policy": "snapkv", "budget": 0.25, "window": 16, "memory": {"prefill": "pack"}},
+        {
+            "policy": "streaming_llm",
+            "budget": 0.5,
+            "memory": {"prefill": "blocks", "decode_budget_tokens": 320},
+        },
+    ],
+    ids=["snapkv-pack", "streaming-blocks-decode"],
+)
+def test_pool_balanced_after_compaction_aborts_and_preemption(tiny_model: str, extra: dict) -> None:
+    extra = {"save": False, "load": False, **extra}
+    with memory_engine(
+        tiny_model, extra, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, max_model_len=928
+    ) as llm:
+        manager = kv_manager(llm)
+        start_free = manager.block_pool.get_num_free_blocks()
+        watch = Watch(llm, poison=False)
+        tokens = run(llm, PROMPTS, MAX_TOKENS, watch)
+        stats = scheduler(llm).connector.memory_scheduler.stats
+
+        assert watch.problems == []
+        assert manager.block_pool.get_num_free_blocks() == start_free == NUM_BLOCKS - 1
+        final = audit_pool(manager)
+        assert final.ok and final.referenced == 0
+        assert watch.preemptions > 0, "the pool was meant to force preemption"
+        assert sorted(watch.aborted) == ["q11", "q3", "q7"]
+        assert set(tokens) == set(PROMPTS) - set(watch.aborted)
+        assert all(len(tokens[r]) == MAX_TOKENS[r] for r in tokens)
+        assert stats.blocks_released > 0
+        assert scheduler(llm).connector.memory_scheduler.planner.holes == {}
+
+        poisoned = Watch(llm, poison=True)
+        again = run(
+            llm,
+            {f"{r}b": ids for r, ids in PROMPTS.items()},
+            {f"{r}b": n for r, n in MAX_TOKENS.items()},
+            _renamed(poisoned),
+        )
+        assert poisoned.problems == []
+        assert {r: again[f"{r}b"] for r in tokens} == tokens
+        assert manager.block_pool.get_num_free_blocks() == start_free
+
+
+def _renamed(watch: Watch) -> Any:
+    """The same per-step hook for the second run, whose request ids end in ``b``."""
+    plan = {step: [f"{r}b" for r in ids] for step, ids in ABORTS.items()}
+
+    def hook(step: int, outputs: list[Any]) -> None:
+        saved = dict(ABORTS)
+        ABORTS.clear()
+        ABORTS.update(plan)
+        try:
+            watch(step, outputs)
+        finally:
+            ABORTS.clear()
+            ABORTS.update(saved)
+
+    return hook
