@@ -203,8 +203,9 @@ def validate_against_engine(
     counts = plan.kept_counts()
     if not bool((counts == kept).all()):
         raise ValueError(
-            f"policy {config.policy!r} keeps different numbers of tokens per head or layer "
-            f"(min {int(counts.min())}, max {int(counts.max())}, asked {kept} per chunk); the "
+            f"policy {config.policy!r} keeps different numbers of tokens per head or layer, or "
+            f"not the asked number (min {int(counts.min())}, max {int(counts.max())}, asked "
+            f"{kept} per chunk); the "
             "vLLM connector needs the same count everywhere (attention skips one "
             "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
             "knorm, tova, random"
