@@ -27,7 +27,7 @@ import torch
 from lmcompact.attention.scores import cumulative_scores, window_scores
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.storage import KVStorage
-from lmcompact.hf.paged.table import BlockTable
+from lmcompact.hf.paged.table import BlockTable, allocate_cleared
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need, Phase
 
@@ -192,7 +192,7 @@ def _apply(
         if exclusive:
             dst = old[:width].clone()
         else:
-            dst = pool.allocate(width)
+            dst = allocate_cleared(pool, storage, width)
             pool.incref(dst.repeat(len(rows) - 1))
         heads, src_b, src_o, dst_b, dst_o = [], [], [], [], []
         positions = _candidate_positions(layer, table, row)

@@ -29,7 +29,7 @@ from lmcompact.hf.attention import causal_sdpa, tag
 from lmcompact.hf.paged.attention import gathered_attention, shared_block_attention
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.storage import KVStorage, StorageSpec
-from lmcompact.hf.paged.table import BlockTable
+from lmcompact.hf.paged.table import BlockTable, allocate_cleared
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class PagedLayer(CacheLayerMixin):
         table, storage = self._state()
         b, s = key_states.shape[0], key_states.shape[2]
         bs = table.block_size
-        ids = self.shared.pool.allocate(-(-s // bs))
+        ids = allocate_cleared(self.shared.pool, storage, -(-s // bs))
         self.shared.pool.incref(ids.repeat(b - 1))
         table.blocks = ids.expand(b, -1).clone()
         table.num_slots = s

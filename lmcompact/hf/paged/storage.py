@@ -135,6 +135,13 @@ class KVStorage:
         self.key_scales[:, blocks, offsets] = sk
         self.value_scales[:, blocks, offsets] = sv
 
+    def clear(self, blocks: torch.Tensor) -> None:
+        """Zero whole blocks (new blocks: attention multiplies unused slots by zero
+        probabilities, so they must hold finite values, never ``torch.empty`` garbage)."""
+        blocks = blocks.to(self.device)
+        for tensor in self._tensors():
+            tensor[:, blocks] = 0
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, upto: int) -> None:
         """Copy slots ``[0, upto)`` of blocks ``src`` into blocks ``dst`` (raw, exact)."""
         src, dst = src.to(self.device), dst.to(self.device)

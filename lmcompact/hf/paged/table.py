@@ -29,6 +29,13 @@ from lmcompact.hf.paged.storage import KVStorage
 from lmcompact.layout.paged import PagedLengths
 
 
+def allocate_cleared(pool: BlockPool, storage: KVStorage, count: int) -> torch.Tensor:
+    """``count`` new blocks from ``pool``, zeroed in ``storage``; ``(count,)`` int64 ids."""
+    ids = pool.allocate(count)
+    storage.clear(ids)
+    return ids
+
+
 @dataclass
 class BlockTable:
     """Block ids and slot ranges of one layer.
@@ -106,7 +113,9 @@ class BlockTable:
             self._unshare_last(pool, storage, filled=start % bs)
         need = -(-(start + count) // bs) - self.blocks.shape[1]
         if need > 0:
-            fresh = pool.allocate(self.batch_size * need).view(self.batch_size, need)
+            fresh = allocate_cleared(pool, storage, self.batch_size * need).view(
+                self.batch_size, need
+            )
             self.blocks = torch.cat([self.blocks, fresh], dim=1)
         self.num_slots = start + count
         return torch.arange(start, start + count).expand(self.batch_size, -1)
@@ -116,7 +125,7 @@ class BlockTable:
             block = int(self.blocks[row, -1])
             if int(pool.refcount[block]) == 1:
                 continue
-            fresh = pool.allocate(1)
+            fresh = allocate_cleared(pool, storage, 1)
             storage.copy_blocks(torch.tensor([block]), fresh, filled)
             pool.decref(torch.tensor([block]))
             self.blocks[row, -1] = fresh[0]
