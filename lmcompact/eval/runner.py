@@ -3,10 +3,9 @@
 For every context length and sample the harness builds one needle prompt and
 one perplexity text, runs them once with the full cache (a plain
 ``DynamicCache``: the reference) and once per (policy, budget) with a
-:class:`~lmcompact.hf.cache.CompactingCache`. The needle prompt's greedy
-continuation serves both the ``needle`` score and the ``agreement`` score (same
-prompt, same tokens), so each configuration costs one needle prefill plus, with
-``ppl``, one perplexity prefill.
+:class:`~lmcompact.hf.cache.CompactingCache` forked from one recorded prefill.
+The needle prompt's greedy continuation serves both the ``needle`` score and
+the ``agreement`` score (same prompt, same tokens).
 """
 
 from __future__ import annotations
@@ -91,69 +90,62 @@ def build_samples(tokenizer: Any, config: EvalConfig) -> list[Sample]:
 
 
 class ModelRunner:
-    """Greedy generation and continuation NLL with a full or compacting cache."""
+    """Prefill once per prompt, then compact and decode once per (policy, budget).
+
+    Compaction happens after the prefill forward, so the prefill (and its
+    logits) is the same for every policy: a recorder cache captures dense K/V
+    and every score once, and each configuration forks from it. Greedy decoding
+    is a plain loop (argmax, stop at EOS), the same for the full cache.
+    """
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
         from lmcompact.hf.attention import enable_lmcompact_attention
 
         self.model = enable_lmcompact_attention(model)
         self.tokenizer = tokenizer
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
 
-    def _cache(self, policy: Any) -> Any:
+    @torch.no_grad()
+    def prefill(self, ids: list[int], full: bool = False) -> tuple[Any, torch.Tensor, float]:
+        """Run the prompt; returns (cache, last logits ``(V,)``, seconds).
+
+        ``full=True`` uses a plain DynamicCache (the reference); otherwise a
+        recorder :class:`~lmcompact.hf.cache.CompactingCache` to fork from.
+        """
         from transformers import DynamicCache
 
         from lmcompact.hf.cache import CompactingCache
 
-        if policy is None:
-            return DynamicCache(config=self.model.config)
-        return CompactingCache(self.model, policy, tokenizer=self.tokenizer)
-
-    @torch.no_grad()
-    def generate(self, ids: list[int], policy: Any, new_tokens: int) -> dict[str, Any]:
-        """Greedy ``new_tokens`` after ``ids``; ``policy=None`` is the full cache."""
-        cache = self._cache(policy)
-        input_ids = torch.tensor([ids])
-        start = time.perf_counter()
-        out = self.model.generate(
-            input_ids,
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=self.tokenizer.eos_token_id,
+        cache = (
+            DynamicCache(config=self.model.config)
+            if full
+            else CompactingCache.recorder(self.model, self.tokenizer)
         )
-        elapsed = time.perf_counter() - start
-        tokens = out[0, len(ids) :].tolist()
-        return {
-            "tokens": tokens,
-            "text": self.tokenizer.decode(tokens),
-            "seconds": elapsed,
-            **_cache_facts(cache),
-        }
+        start = time.perf_counter()
+        logits = self.model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+        return cache, logits, time.perf_counter() - start
 
     @torch.no_grad()
-    def continuation_nll(
-        self, context: list[int], continuation: list[int], policy: Any
-    ) -> dict[str, Any]:
-        """Summed NLL of ``continuation`` after ``context`` (compacted at its end)."""
-        cache = self._cache(policy)
-        start = time.perf_counter()
-        first = self.model(torch.tensor([context]), past_key_values=cache).logits[0, -1]
+    def greedy(self, cache: Any, first: torch.Tensor, new_tokens: int) -> list[int]:
+        """Greedy tokens continuing from logits ``first`` with ``cache``."""
+        tokens = [int(first.argmax())]
+        while len(tokens) < new_tokens and tokens[-1] not in self.eos:
+            step = self.model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1]
+            tokens.append(int(step.argmax()))
+        return tokens
+
+    @torch.no_grad()
+    def continuation_nll(self, cache: Any, first: torch.Tensor, continuation: list[int]) -> float:
+        """Summed NLL of ``continuation`` given the context's last logits and its cache."""
         rest = self.model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
         logits = torch.cat([first[None], rest]).float()
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum")
-        return {
-            "nll_sum": float(nll),
-            "count": len(continuation),
-            "seconds": time.perf_counter() - start,
-            **_cache_facts(cache),
-        }
+        return float(
+            torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum")
+        )
 
 
 def _cache_facts(cache: Any) -> dict[str, Any]:
-    from lmcompact.hf.cache import CompactingCache
-
-    if not isinstance(cache, CompactingCache):
-        return {}
     return {
         "kept_ratio": cache.kept_ratio(),
         "cache_bytes": cache.nbytes(),
@@ -176,28 +168,33 @@ def run_sample(
     rows: list[dict[str, Any]] = []
     base = {"context": sample.context, "sample": sample.index, "impl": "lmcompact"}
     wants_gen = "needle" in config.tasks or "agreement" in config.tasks
-    ref = runner.generate(sample.needle.input_ids, None, config.new_tokens) if wants_gen else None
-    ref_ppl = (
-        runner.continuation_nll(sample.ppl_context, sample.ppl_continuation, None)
-        if "ppl" in config.tasks
-        else None
-    )
+    wants_ppl = "ppl" in config.tasks
     passkey = sample.needle.target.passkey
-    sample.reference = None if ref is None else ref["tokens"]
-    if ref is not None and "needle" in config.tasks:
+    ids = sample.needle.input_ids
+    full_ppl = None
+    if wants_gen:
+        cache, first, seconds = runner.prefill(ids, full=True)
+        start = time.perf_counter()
+        sample.reference = runner.greedy(cache, first, config.new_tokens)
+        text = runner.tokenizer.decode(sample.reference)
         rows.append(
             {
                 **base,
                 "task": "needle",
                 "policy": "full",
                 "budget": 1.0,
-                "accuracy": tasks.score_needle(ref["text"], passkey),
+                "accuracy": tasks.score_needle(text, passkey),
                 "kept_ratio": 1.0,
-                "answer": ref["text"],
-                "generate_s": ref["seconds"],
+                "answer": text,
+                "prefill_s": seconds,
+                "decode_s": time.perf_counter() - start,
             }
         )
-    if ref_ppl is not None:
+        recorder, needle_first, needle_prefill_s = runner.prefill(ids)
+    if wants_ppl:
+        cache, first, seconds = runner.prefill(sample.ppl_context, full=True)
+        nll = runner.continuation_nll(cache, first, sample.ppl_continuation)
+        full_ppl = tasks.perplexity(nll, len(sample.ppl_continuation))
         rows.append(
             {
                 **base,
@@ -205,67 +202,55 @@ def run_sample(
                 "policy": "full",
                 "budget": 1.0,
                 "kept_ratio": 1.0,
-                "ppl": tasks.perplexity(ref_ppl["nll_sum"], ref_ppl["count"]),
-                "forward_s": ref_ppl["seconds"],
+                "ppl": full_ppl,
+                "prefill_s": seconds,
             }
         )
+        ppl_recorder, ppl_first, _ = runner.prefill(sample.ppl_context)
     for name, budget in configurations(config):
-        policy_rows = {**base, "policy": name, "budget": budget}
-        if ref is not None:
-            got = runner.generate(
-                sample.needle.input_ids,
-                policy_for(name, budget, sample.context),
-                config.new_tokens,
-            )
-            facts = {
-                k: got[k]
-                for k in (
-                    "kept_ratio",
-                    "cache_bytes",
-                    "full_bytes",
-                    "compaction_s",
-                    "decode_compaction_s",
-                )
-            }
+        here = {**base, "policy": name, "budget": budget}
+        if wants_gen:
+            cache = recorder.fork(policy_for(name, budget, sample.context))
+            start = time.perf_counter()
+            got = runner.greedy(cache, needle_first, config.new_tokens)
+            decode_s = time.perf_counter() - start
+            facts = _cache_facts(cache)
+            text = runner.tokenizer.decode(got)
             if "needle" in config.tasks:
                 rows.append(
                     {
-                        **policy_rows,
+                        **here,
                         "task": "needle",
-                        "accuracy": tasks.score_needle(got["text"], passkey),
-                        "answer": got["text"],
-                        "generate_s": got["seconds"],
+                        "answer": text,
+                        "accuracy": tasks.score_needle(text, passkey),
+                        "prefill_s": needle_prefill_s,
+                        "decode_s": decode_s,
                         **facts,
                     }
                 )
             if "agreement" in config.tasks:
-                agree = tasks.agreement(ref["tokens"], got["tokens"])
+                agree = tasks.agreement(sample.reference or [], got)
                 rows.append(
                     {
-                        **policy_rows,
+                        **here,
                         "task": "agreement",
                         "accuracy": agree.token_accuracy,
                         "first_divergence": agree.first_divergence,
                         "n": agree.n,
-                        "generate_s": got["seconds"],
+                        "decode_s": decode_s,
                         **facts,
                     }
                 )
-        if ref_ppl is not None:
-            got_ppl = runner.continuation_nll(
-                sample.ppl_context,
-                sample.ppl_continuation,
-                policy_for(name, budget, sample.context),
-            )
+        if wants_ppl:
+            cache = ppl_recorder.fork(policy_for(name, budget, sample.context))
+            nll = runner.continuation_nll(cache, ppl_first, sample.ppl_continuation)
             rows.append(
                 {
-                    **policy_rows,
+                    **here,
                     "task": "ppl",
-                    "ppl": tasks.perplexity(got_ppl["nll_sum"], got_ppl["count"]),
-                    "ppl_full": tasks.perplexity(ref_ppl["nll_sum"], ref_ppl["count"]),
-                    "kept_ratio": got_ppl["kept_ratio"],
-                    "compaction_s": got_ppl["compaction_s"],
-                    "forward_s": got_ppl["seconds"],
+                    "ppl": tasks.perplexity(nll, len(sample.ppl_continuation)),
+                    "ppl_full": full_ppl,
+                    **_cache_facts(cache),
                 }
             )
         if progress is not None:

@@ -148,7 +148,7 @@ class CompactingLayer(CacheLayerMixin):
             start = time.perf_counter()
             self.observation = observe_prefill(query, key, owner.needs, owner.window_size, scaling)
             owner.stats["observe_s"] += time.perf_counter() - start
-            if self.layer_idx == owner.num_layers - 1:
+            if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
                 owner.compact()
             return out
         assert self.query_positions is not None
@@ -205,6 +205,7 @@ class CompactingCache(Cache):
         decode_slack: int = 16,
         decode_compaction: bool = True,
         tokenizer: Any = None,
+        auto_compact: bool = True,
         **policy_params: Any,
     ) -> None:
         config = model.config.get_text_config()
@@ -222,6 +223,9 @@ class CompactingCache(Cache):
         elif budget is not None or policy_params:
             raise ValueError("budget and policy parameters go with a policy name, not an instance")
         self.policy = policy
+        self.model = model
+        self.tokenizer = tokenizer
+        self.auto_compact = auto_compact
         self.needs: Need = policy.needs
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(config.num_key_value_heads)
@@ -249,12 +253,77 @@ class CompactingCache(Cache):
         self.decode_targets: list[int] | None = None
         self.stats: dict[str, float] = {
             "observe_s": 0.0,
+            "observe_window_s": 0.0,
+            "observe_cumulative_s": 0.0,
             "compact_s": 0.0,
             "decode_compact_s": 0.0,
             "decode_compactions": 0.0,
         }
         layers: list[Any] = [CompactingLayer(self, i) for i in range(self.num_layers)]
         super().__init__(layers=layers)
+
+    @classmethod
+    def recorder(
+        cls, model: Any, tokenizer: Any = None, window_size: int = DEFAULT_WINDOW
+    ) -> CompactingCache:
+        """A cache that records a prefill for many policies: dense K/V plus every score.
+
+        Use it for one prefill forward, then :meth:`fork` once per policy: each
+        fork compacts from the recorded state (no second prefill; the prefill is
+        identical for every policy because compaction happens after it).
+        """
+        cache = cls(model, "none", window_size=window_size, auto_compact=False)
+        cache.needs = (
+            Need.KEYS | Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES
+        )
+        if tokenizer is not None:
+            cache.needs |= Need.TOKEN_CLASSES
+            cache.tokenizer = tokenizer
+            cache.classifier = TokenClassifier(tokenizer)
+            cache._hook = model.get_input_embeddings().register_forward_pre_hook(cache._capture_ids)
+        return cache
+
+    def fork(self, policy: CompactionPolicy | str, **options: Any) -> CompactingCache:
+        """A new cache holding this recorder's prefill, compacted by ``policy``.
+
+        Args:
+            policy: Policy instance or name (``options`` may carry ``budget``,
+                ``decode_slack`` and policy parameters, as for the constructor).
+
+        Raises:
+            ValueError: This cache has not recorded a prefill, or the policy needs
+                an observation the recorder did not capture or a different window.
+        """
+        if self.plans is not None or any(layer.keys is None for layer in self._layers()):
+            raise ValueError("fork() needs a recorder cache after exactly one prefill forward")
+        new = CompactingCache(self.model, policy, tokenizer=self.tokenizer, **options)
+        if new.window_size != self.window_size and new.needs & (
+            Need.WINDOW_SCORES | Need.WINDOW_ATTENTION
+        ):
+            raise ValueError(
+                f"policy window {new.window_size} differs from the recorded {self.window_size}"
+            )
+        missing = new.needs & ~self.needs
+        if missing:
+            raise ValueError(f"the recorder did not capture {missing}")
+        if new._hook is not None:
+            new._hook.remove()
+            new._hook = None
+        new._prompt_ids = self._prompt_ids
+        for mine, theirs in zip(self._layers(), new._layers(), strict=True):
+            theirs.dtype, theirs.device = mine.dtype, mine.device
+            theirs.is_initialized = True
+            theirs.keys, theirs.values = mine.keys, mine.values
+            theirs.observation = mine.observation
+            theirs.seen = mine.seen
+        observe = 0.0
+        if new.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION):
+            observe += self.stats["observe_window_s"]
+        if Need.CUMULATIVE_SCORES in new.needs:
+            observe += self.stats["observe_cumulative_s"]
+        new.stats["observe_s"] = observe
+        new.compact()
+        return new
 
     # ---------------------------------------------------------------- helpers
     def _capture_ids(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:

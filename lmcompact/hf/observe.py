@@ -12,6 +12,7 @@ H2O. Token classes (special, punctuation) come from the prompt's token ids.
 from __future__ import annotations
 
 import string
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,12 @@ class PrefillObservation:
 
 
 def observe_prefill(
-    queries: torch.Tensor, keys: torch.Tensor, needs: Need, window: int, scale: float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    needs: Need,
+    window: int,
+    scale: float,
+    timings: dict[str, float] | None = None,
 ) -> PrefillObservation:
     """Scores a policy asked for, from one layer's prefill queries and keys.
 
@@ -51,8 +57,12 @@ def observe_prefill(
         needs: The policy's needs; only these are computed.
         window: Observation window length ``W`` (clipped to ``T``).
         scale: Softmax scale of the model's attention.
+        timings: If given, ``observe_window_s``, ``observe_cumulative_s`` and
+            ``observe_s`` are incremented by the seconds spent.
     """
+    timings = timings if timings is not None else {}
     obs = PrefillObservation()
+    start = time.perf_counter()
     t = keys.shape[2]
     wants_rows = Need.WINDOW_ATTENTION in needs
     if Need.WINDOW_SCORES in needs or wants_rows:
@@ -62,8 +72,16 @@ def observe_prefill(
         )
         obs.window_scores = mass
         obs.window_attention = rows
+    middle = time.perf_counter()
     if Need.CUMULATIVE_SCORES in needs:
         obs.cumulative_scores = cumulative_scores(queries, keys, scale=scale)
+    end = time.perf_counter()
+    for name, seconds in (
+        ("observe_window_s", middle - start),
+        ("observe_cumulative_s", end - middle),
+        ("observe_s", end - start),
+    ):
+        timings[name] = timings.get(name, 0.0) + seconds
     return obs
 
 
