@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         for sample in samples:
             rows += run_sample(runner, sample, config, progress)
     compare_info = None
+    if args.compare == "kvpress" and args.json not in (None, "-"):
+        # keep lmcompact's results even if the kvpress part fails or is interrupted
+        write_json(args.json, {"partial": True, "results": report.summarize(rows), "samples": rows})
     if args.compare == "kvpress":
         from lmcompact.eval.kvpress_bridge import run_kvpress
 
