@@ -110,7 +110,7 @@ def test_compaction_frees_whole_blocks(model: Any, prompt: torch.Tensor, policy:
     layers = len(cache.layers)
     prompt_blocks = -(-length // BLOCK)
     packed_blocks = -(-round(length * 0.5) // BLOCK)
-    assert cache.pool.peak_used == layers * prompt_blocks  # the shared prompt, before compaction
+    assert cache.pool.peak_used >= layers * prompt_blocks  # the shared prompt, before compaction
     # after compaction: the packed prompt (shared by the beams) plus each beam's own tail
     first = cache.paged_layers[0].table
     assert first is not None
