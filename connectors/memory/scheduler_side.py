@@ -179,7 +179,7 @@ class MemoryScheduler:
                 continue
             prompt_len = int(request.num_prompt_tokens)
             foreign = meta.holes.get(row[0])
-            if foreign is not None:
+            if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
                     sched.req_id, row[0], foreign.start_block, foreign.num_blocks, step
                 )
