@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="build the model from the folder's config with seeded random weights (a folder "
+        "with config + tokenizer only; times and KV bytes are those of the real model, the "
+        "tokens are not meaningful)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="CPU sizes: one 1024-token prompt, 32 new tokens"
     )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
@@ -79,17 +86,25 @@ class _StepClock:
     """Forward hooks: prefill time, end of every forward, KV bytes after each forward."""
 
     def __init__(self, model: Any, kv_bytes: Any) -> None:
+        import torch
+
         self.kv_bytes = kv_bytes
+        cuda = next(model.parameters()).device.type == "cuda"
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.kv: list[int] = []
         self._handles = [
-            model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter())),
+            model.register_forward_pre_hook(lambda *_: self._mark(self.starts)),
             model.register_forward_hook(self._after),
         ]
 
+    def _mark(self, into: list[float]) -> None:
+        self.sync()
+        into.append(time.perf_counter())
+
     def _after(self, *_: Any) -> None:
-        self.ends.append(time.perf_counter())
+        self._mark(self.ends)
         self.kv.append(int(self.kv_bytes()))
 
     def remove(self) -> None:
@@ -144,6 +159,7 @@ def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dic
             )
     finally:
         clock.remove()
+    clock.sync()
     end = time.perf_counter()
     steps = max(args.new_tokens - 1, 1)
     row: dict[str, Any] = {
@@ -204,7 +220,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lmcompact.hf.prepare import prepare_model
 
@@ -221,7 +237,13 @@ def run(args: argparse.Namespace) -> int:
         )
     folder = Path(args.model) if Path(args.model).is_dir() else prepare_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    if args.random_weights:
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = model.to(args.device).eval()
 
     rows: list[dict[str, Any]] = []
     todo = [(t, c) for t in lengths for c in configs]
@@ -263,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             "device": args.device,
             "dtype": "float32",
             "torch_threads": torch.get_num_threads(),
+            "random_weights": args.random_weights,
         },
         **summary,
         "results": rows,
