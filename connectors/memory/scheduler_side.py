@@ -101,7 +101,7 @@ class MemoryScheduler:
         kv_cache_manager._lmcompact_memory = self
         allocate = kv_cache_manager.allocate_slots
         free = kv_cache_manager.free
-        pop = kv_cache_manager.pop_blocks_for_free
+        pop = getattr(kv_cache_manager, "pop_blocks_for_free", None)  # 0.32 deferred frees
 
         @wraps(allocate)
         def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -113,14 +113,16 @@ class MemoryScheduler:
             self.forget(request.request_id)
             free(request)
 
-        @wraps(pop)
-        def pop_blocks_for_free(request: Any) -> Any:
-            self.forget(request.request_id)
-            return pop(request)
-
         kv_cache_manager.allocate_slots = allocate_slots
         kv_cache_manager.free = free_request
-        kv_cache_manager.pop_blocks_for_free = pop_blocks_for_free
+        if pop is not None:
+
+            @wraps(pop)
+            def pop_blocks_for_free(request: Any) -> Any:
+                self.forget(request.request_id)
+                return pop(request)
+
+            kv_cache_manager.pop_blocks_for_free = pop_blocks_for_free
 
     def _ledger(self) -> BlockLedger:
         if self.ledger is None:

@@ -34,7 +34,7 @@ NAME = "capacity"
 HELP = "fixed KV pool, many long-context requests: concurrency, decode throughput, needle"
 
 QUICK = {"requests": 16, "context": 512, "new_tokens": 16, "pool_requests": 4}
-FULL = {"requests": 32, "context": 2048, "new_tokens": 16, "pool_requests": 6}
+FULL = {"requests": 24, "context": 1024, "new_tokens": 16, "pool_requests": 4}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
