@@ -42,18 +42,27 @@ def reference(loaded: tuple[Any, Any], prompt: torch.Tensor) -> list[int]:
     from transformers import DynamicCache
 
     model, tokenizer = loaded
-    out = model.generate(prompt, past_key_values=DynamicCache(config=model.config),
-                         max_new_tokens=NEW_TOKENS, do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
+    out = model.generate(
+        prompt,
+        past_key_values=DynamicCache(config=model.config),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     return out[0, PROMPT_TOKENS:].tolist()
 
 
 def generate(loaded: tuple[Any, Any], prompt: torch.Tensor, cache: Any, n: int) -> list[int]:
     model, tokenizer = loaded
     with torch.no_grad():
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=n, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    return out[0, prompt.shape[1]:].tolist()
+        out = model.generate(
+            prompt,
+            past_key_values=cache,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("name", available_policies())

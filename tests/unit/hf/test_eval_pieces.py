@@ -69,8 +69,13 @@ def test_needle_prompt_rejects_tiny_context() -> None:
 
 @pytest.mark.parametrize(
     ("answer", "expected"),
-    [(" 48213.", 1.0), (" 48,213 and more", 1.0), (" 48214.", 0.0), (" none", 0.0),
-     (" 7 then 48213", 0.0)],
+    [
+        (" 48213.", 1.0),
+        (" 48,213 and more", 1.0),
+        (" 48214.", 0.0),
+        (" none", 0.0),
+        (" 7 then 48213", 0.0),
+    ],
 )
 def test_score_needle(answer: str, expected: float) -> None:
     assert tasks.score_needle(answer, "48213") == expected
@@ -126,10 +131,27 @@ def test_summary_table_and_plots(tmp_path: Path) -> None:
     for sample, acc in enumerate((1.0, 0.0)):
         base = {"impl": "lmcompact", "context": 512, "sample": sample}
         rows.append({**base, "task": "needle", "policy": "full", "budget": 1.0, "accuracy": 1.0})
-        rows.append({**base, "task": "needle", "policy": "snapkv", "budget": 0.25,
-                     "accuracy": acc, "kept_ratio": 0.25, "compaction_s": 0.1})
-        rows.append({**base, "task": "agreement", "policy": "snapkv", "budget": 1.0,
-                     "accuracy": 1.0, "first_divergence": None})
+        rows.append(
+            {
+                **base,
+                "task": "needle",
+                "policy": "snapkv",
+                "budget": 0.25,
+                "accuracy": acc,
+                "kept_ratio": 0.25,
+                "compaction_s": 0.1,
+            }
+        )
+        rows.append(
+            {
+                **base,
+                "task": "agreement",
+                "policy": "snapkv",
+                "budget": 1.0,
+                "accuracy": 1.0,
+                "first_divergence": None,
+            }
+        )
     summary = report.summarize(rows)
     snap = next(r for r in summary if r["policy"] == "snapkv" and r["task"] == "needle")
     assert snap["accuracy"] == 0.5 and snap["samples"] == 2
