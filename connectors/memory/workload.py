@@ -36,6 +36,9 @@ class Workload:
         max_num_seqs: vLLM's cap on running requests.
         max_num_batched_tokens: tokens per engine step.
         seed: needle placement and codes.
+        dtype: model and KV dtype (float32 on CPU; bfloat16 on GPU).
+        load_format: vLLM load format (``"dummy"``: random weights of the model's shape,
+            for serving-shape runs; needle accuracy is then meaningless).
     """
 
     model: str
@@ -47,6 +50,8 @@ class Workload:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     seed: int = 0
+    dtype: str = "float32"
+    load_format: str = "auto"
 
 
 @dataclass
@@ -125,7 +130,8 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     )
     llm = LLM(
         model=workload.model,
-        dtype="float32",
+        dtype=workload.dtype,  # type: ignore[arg-type]
+        load_format=workload.load_format,
         block_size=workload.block_size,
         max_model_len=max_model_len,
         enforce_eager=True,

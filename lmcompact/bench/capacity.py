@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pool size in full-length requests (sets the block count)",
     )
     parser.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", help="model/KV dtype (GPU: bfloat16)")
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        help="vLLM load format; 'dummy' = random weights (serving shape only)",
+    )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run, JSON spec
@@ -181,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         "block_size": block,
         "max_num_seqs": settings["requests"],
         "max_num_batched_tokens": max(512, settings["context"]),
+        "dtype": args.dtype,
+        "load_format": args.load_format,
     }
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lmc-capacity-") as scratch:
