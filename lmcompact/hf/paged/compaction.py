@@ -19,12 +19,13 @@ copy goes to fresh blocks instead). int8 tokens move with their scales.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from lmcompact.attention.scores import cumulative_scores, window_scores
+from lmcompact.hf.observe import observe_prefill
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.storage import KVStorage
 from lmcompact.hf.paged.table import BlockTable, allocate_cleared
@@ -42,6 +43,9 @@ DEFAULT_WINDOW = 32
 
 class PrefillObserver:
     """Captures the prefill attention statistics a policy needs, per layer.
+
+    The statistics come from :func:`lmcompact.hf.observe.observe_prefill` (the
+    same capture the ragged ``Cache`` uses).
 
     Args:
         policy: The compaction policy (must apply at prefill).
@@ -66,28 +70,33 @@ class PrefillObserver:
         self.window = int(window) if window else DEFAULT_WINDOW
         if self.window <= 0:
             raise ValueError(f"window_size must be > 0, got {self.window}")
-        self.layers: dict[int, LayerObservation] = {}
+        self.layers: dict[int, list[LayerObservation]] = {}
         self.pending = False
 
     def observe_prefill(
         self, layer: PagedLayer, query: torch.Tensor, key: torch.Tensor, scale: float
     ) -> None:
-        """Record row 0's statistics of one layer's prefill (``query (B, Hq, T, D)``)."""
-        needs = self.policy.needs
-        obs = LayerObservation()
-        q, k = query[:1], key[:1]
-        t = k.shape[2]
-        if needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION):
-            w = min(self.window, t)
-            mass, rows = window_scores(
-                q[:, :, -w:], k, scale=scale, return_attention=Need.WINDOW_ATTENTION in needs
+        """Record one layer's prefill statistics (``query (B, Hq, T, D)``).
+
+        Rows stored once (beams of one prompt) are scored once, from row 0.
+        """
+        table = layer.table
+        shared = table is not None and bool((table.blocks == table.blocks[:1]).all())
+        rows = 1 if shared else query.shape[0]
+        seen = observe_prefill(query[:rows], key[:rows], self.policy.needs, self.window, scale)
+        self.layers[layer.layer_idx] = [
+            LayerObservation(
+                window_scores=_row(seen.window_scores, row),
+                window_attention=_row(seen.window_attention, row),
+                cumulative_scores=_row(seen.cumulative_scores, row),
             )
-            obs.window_scores = mass[0]
-            obs.window_attention = rows[0] if rows is not None else None
-        if Need.CUMULATIVE_SCORES in needs:
-            obs.cumulative_scores = cumulative_scores(q, k, scale=scale)[0]
-        self.layers[layer.layer_idx] = obs
+            for row in range(rows)
+        ]
         self.pending = True
+
+
+def _row(tensor: torch.Tensor | None, row: int) -> torch.Tensor | None:
+    return tensor[row] if tensor is not None else None
 
 
 def _groups(table: BlockTable) -> list[list[int]]:
@@ -155,7 +164,8 @@ def _plan_row(
         assert table is not None
         if table.tail_start != 0 or table.num_slots != t:
             raise ValueError("prefill compaction needs every layer uncompacted and equally long")
-        obs = observer.layers.get(layer.layer_idx, LayerObservation())
+        captured = observer.layers.get(layer.layer_idx, [LayerObservation()])
+        obs = dataclasses.replace(captured[row] if len(captured) > 1 else captured[0])
         if needs & Need.KEYS:
             slots = torch.arange(t)
             keys, values = storage.read_slots(*table.addresses(row, slots))

@@ -149,3 +149,21 @@ def test_int8_kv_bounded_error_and_greedy_tokens(model: Any, prompt: torch.Tenso
     assert spec.bytes_per_block < 0.3 * (2 * BLOCK * 3 * 64 * 4)
     cache.reset()
     assert cache.pool.is_pristine()
+
+
+def test_lossless_compaction_of_distinct_rows_matches_dynamic(
+    model: Any, prompt: torch.Tensor
+) -> None:
+    """Two different prompts (rows not shared): a budget of 1.0 moves every token and must
+    give DynamicCache's greedy output; each row is planned from its own observation."""
+    batch = torch.cat([prompt[:, :60], prompt[:, 30:90]])
+    expected = _generate(model, batch, 1)
+    cache = _cache(model, 2, 60, policy=make_policy("snapkv", budget=1.0))
+    check = AccountingCheck(cache)
+    got = _generate(model, batch, 1, cache, stopping_criteria=[check])
+    assert torch.equal(got, expected)
+    first = cache.paged_layers[0].table
+    assert first is not None and int(first.kept.min()) == 60
+    assert not torch.equal(first.blocks[0], first.blocks[1])
+    cache.reset()
+    assert cache.pool.is_pristine()
