@@ -21,6 +21,7 @@ Options: :class:`connectors.memory.config.MemoryConfig`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 "hole stay held until the request ends"
             )
         self.memory_scheduler: MemoryScheduler | None = None
+        self.pack_stats: dict[str, float] = {"packs": 0, "tokens": 0, "seconds": 0.0}
         self._policy = self.config.make_policy()
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
@@ -115,6 +117,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         worker = self._worker()
         layers = list(worker.kv_caches.values())
         for job in packs:
+            began = time.perf_counter()
             pack_in_place(
                 layers,
                 worker.layout,
@@ -126,6 +129,9 @@ class LMCompactMemoryConnector(LMCompactConnector):
             )
             worker._captured.pop(job.req_id, None)
             worker._captured_pos.pop(job.req_id, None)
+            self.pack_stats["packs"] += 1
+            self.pack_stats["tokens"] += job.num_tokens
+            self.pack_stats["seconds"] += time.perf_counter() - began
             logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
 
     def _window(self, req_id: str) -> WindowQueries | None:

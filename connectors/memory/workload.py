@@ -181,11 +181,16 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     wall = time.perf_counter() - began
     scheduler.schedule = original_schedule
     end_free = int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-    memory_stats = None
+    memory_stats: dict[str, Any] | None = None
     connector = getattr(scheduler, "connector", None)
     if connector is not None and getattr(connector, "memory_scheduler", None) is not None:
         stats = connector.memory_scheduler.stats
         memory_stats = {"packs": stats.packs, "blocks_released": stats.blocks_released}
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker: Any = get_kv_transfer_group()  # in-process: the worker-side connector
+        memory_stats["pack_seconds"] = float(worker.pack_stats["seconds"])
+        memory_stats["packed_tokens"] = int(worker.pack_stats["tokens"])
     engine.engine_core.shutdown()
 
     correct = sum(answers[r] in texts.get(r, "") for r in answers)

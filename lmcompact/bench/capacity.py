@@ -238,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             "steps": r["steps"],
             "wall_s": r["wall_s"],
             "pool_ok": r["free_blocks_end"] == r["free_blocks_start"],
+            "pack_s": (r["memory"] or {}).get("pack_seconds", 0.0),
         }
         for name, r in runs.items()
     ]
