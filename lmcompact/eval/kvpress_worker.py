@@ -98,8 +98,17 @@ def run_press(
             logits = model(ids, past_key_values=cache).logits[0, -1]
         facts = cache_facts(cache, ids.shape[1])
         tokens = [int(logits.argmax())]
+        length = ids.shape[1]
         while len(tokens) < job["new_tokens"] and tokens[-1] not in eos_ids:
-            step = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1]
+            # The compressed cache is shorter than the prompt: give the logical
+            # position explicitly (transformers would derive it from the cache length).
+            position = length + len(tokens) - 1
+            step = model(
+                torch.tensor([[tokens[-1]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[position]]),
+                cache_position=torch.tensor([position]),
+            ).logits[0, -1]
             tokens.append(int(step.argmax()))
         out.update(
             tokens=tokens,
@@ -115,7 +124,13 @@ def run_press(
         start = time.perf_counter()
         with press(model):
             first = model(context, past_key_values=cache).logits[0, -1]
-        rest = model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
+        positions = torch.arange(context.shape[1], context.shape[1] + len(continuation) - 1)
+        rest = model(
+            torch.tensor([continuation[:-1]]),
+            past_key_values=cache,
+            position_ids=positions[None],
+            cache_position=positions,
+        ).logits[0]
         logits = torch.cat([first[None], rest]).float()
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum")
         out.update(
