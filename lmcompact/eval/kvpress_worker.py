@@ -124,13 +124,21 @@ def run_press(
         start = time.perf_counter()
         with press(model):
             first = model(context, past_key_values=cache).logits[0, -1]
-        positions = torch.arange(context.shape[1], context.shape[1] + len(continuation) - 1)
-        rest = model(
-            torch.tensor([continuation[:-1]]),
-            past_key_values=cache,
-            position_ids=positions[None],
-            cache_position=positions,
-        ).logits[0]
+        # One token at a time with explicit positions: with a compressed cache the
+        # mask transformers builds from cache_position would not be causal inside a
+        # multi-token chunk (the cache is shorter than the logical length).
+        steps = []
+        for offset, token in enumerate(continuation[:-1]):
+            position = context.shape[1] + offset
+            steps.append(
+                model(
+                    torch.tensor([[token]]),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[position]]),
+                    cache_position=torch.tensor([position]),
+                ).logits[0, -1]
+            )
+        rest = torch.stack(steps) if steps else first.new_zeros(0, first.shape[-1])
         logits = torch.cat([first[None], rest]).float()
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum")
         out.update(
