@@ -129,8 +129,9 @@ def compact_job(
         per_layer.append((keys, values))
         queries = None if job.queries is None else job.queries[index]
         observations.append(
-            observe_layer(keys, values, queries, job.query_positions, job.start, policy.needs,
-                          job.scale)
+            observe_layer(
+                keys, values, queries, job.query_positions, job.start, policy.needs, job.scale
+            )
         )
     out: list[tuple[ChunkKey, CompactedChunk]] = []
     for c, key in enumerate(job.keys):
@@ -145,11 +146,13 @@ def compact_job(
             for (k, v), (mass, rows) in zip(per_layer, observations, strict=True)
         ]
         inputs = CompactionInputs(
-            chunk_size, layers[0].keys.shape[0], layers, budget_tokens=kept_per_chunk  # type: ignore[union-attr]
+            chunk_size,
+            per_layer[0][0].shape[0],
+            layers,
+            budget_tokens=kept_per_chunk,
         )
         plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
-        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk,
-                                     store_dtype)))
+        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))
     return out
 
 

@@ -97,30 +97,50 @@ class ConnectorConfig:
             if not ok:
                 raise ValueError(message)
 
-        need(isinstance(self.policy, str) and bool(self.policy),
-             f"policy must be a policy name, got {self.policy!r}")
-        need(isinstance(self.policy_params, Mapping),
-             f"policy_params must be a mapping, got {self.policy_params!r}")
-        need(not isinstance(self.budget, bool) and isinstance(self.budget, (int, float))
-             and 0.0 < float(self.budget) <= 1.0,
-             f"budget must be a kept fraction in (0, 1], got {self.budget!r}")
-        need(isinstance(self.chunk_size, int) and self.chunk_size > 0,
-             f"chunk_size must be a positive int (a multiple of the block size), "
-             f"got {self.chunk_size!r}")
-        need(isinstance(self.window, int) and self.window >= 0,
-             f"window must be an int >= 0, got {self.window!r}")
-        need(bool(self.tiers) and all(t in TIERS for t in self.tiers)
-             and len(set(self.tiers)) == len(self.tiers),
-             f"tiers must be a non-empty list of distinct names from {list(TIERS)}, "
-             f"got {list(self.tiers)!r}")
-        need(isinstance(self.cpu_capacity_mb, int) and self.cpu_capacity_mb > 0,
-             f"cpu_capacity_mb must be a positive int, got {self.cpu_capacity_mb!r}")
-        need(("redis" in self.tiers) == (self.redis_url is not None),
-             f"redis_url must be set exactly when 'redis' is a tier; tiers={list(self.tiers)}, "
-             f"redis_url={self.redis_url!r}")
+        need(
+            isinstance(self.policy, str) and bool(self.policy),
+            f"policy must be a policy name, got {self.policy!r}",
+        )
+        need(
+            isinstance(self.policy_params, Mapping),
+            f"policy_params must be a mapping, got {self.policy_params!r}",
+        )
+        need(
+            not isinstance(self.budget, bool)
+            and isinstance(self.budget, (int, float))
+            and 0.0 < float(self.budget) <= 1.0,
+            f"budget must be a kept fraction in (0, 1], got {self.budget!r}",
+        )
+        need(
+            isinstance(self.chunk_size, int) and self.chunk_size > 0,
+            f"chunk_size must be a positive int (a multiple of the block size), "
+            f"got {self.chunk_size!r}",
+        )
+        need(
+            isinstance(self.window, int) and self.window >= 0,
+            f"window must be an int >= 0, got {self.window!r}",
+        )
+        need(
+            bool(self.tiers)
+            and all(t in TIERS for t in self.tiers)
+            and len(set(self.tiers)) == len(self.tiers),
+            f"tiers must be a non-empty list of distinct names from {list(TIERS)}, "
+            f"got {list(self.tiers)!r}",
+        )
+        need(
+            isinstance(self.cpu_capacity_mb, int) and self.cpu_capacity_mb > 0,
+            f"cpu_capacity_mb must be a positive int, got {self.cpu_capacity_mb!r}",
+        )
+        need(
+            ("redis" in self.tiers) == (self.redis_url is not None),
+            f"redis_url must be set exactly when 'redis' is a tier; tiers={list(self.tiers)}, "
+            f"redis_url={self.redis_url!r}",
+        )
         for name in ("save", "load", "async_save"):
-            need(isinstance(getattr(self, name), bool),
-                 f"{name} must be true or false, got {getattr(self, name)!r}")
+            need(
+                isinstance(getattr(self, name), bool),
+                f"{name} must be true or false, got {getattr(self, name)!r}",
+            )
         self.make_policy()  # unknown policy or bad parameters raise here
         self.store_config()
 
@@ -229,8 +249,12 @@ def probe_inputs(
         keys = torch.randn(num_kv_heads, t, head_dim, generator=gen)
         scores = torch.rand(num_kv_heads, t, generator=gen)
         attention = torch.rand(num_kv_heads, window, t, generator=gen)
-        layers.append(LayerObservation(
-            keys=keys, values=torch.randn_like(keys), window_scores=scores,
-            window_attention=attention,
-        ))
+        layers.append(
+            LayerObservation(
+                keys=keys,
+                values=torch.randn_like(keys),
+                window_scores=scores,
+                window_attention=attention,
+            )
+        )
     return CompactionInputs(t, num_kv_heads, layers, budget_tokens=kept)

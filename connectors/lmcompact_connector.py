@@ -75,9 +75,15 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler_half = SchedulerHalf(self.config, self.facts, self.store, keyer)
         else:
             self.worker_half = WorkerHalf(self.config, self.facts, vllm_config, self.store)
-        logger.info("LMCompactConnector %s: policy=%s budget=%s chunk=%d tiers=%s vllm=%s",
-                    role, self.config.policy, self.config.budget, self.config.chunk_size,
-                    list(self.config.tiers), shim.vllm_version())
+        logger.info(
+            "LMCompactConnector %s: policy=%s budget=%s chunk=%d tiers=%s vllm=%s",
+            role,
+            self.config.policy,
+            self.config.budget,
+            self.config.chunk_size,
+            list(self.config.tiers),
+            shim.vllm_version(),
+        )
 
     def _worker(self) -> WorkerHalf:
         if self.worker_half is None:
@@ -105,8 +111,9 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete inside start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # pages are copied once, after the last layer, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -118,19 +125,20 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         STORES.release(self.store)
 
     # --------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
         return LMCompactMetadata(self._scheduler().build_metadata(scheduler_output))
 
-    def request_finished(self, request: Any,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().finished(request.request_id)
         return False, None
 

@@ -36,8 +36,14 @@ def transfer_config(extra: Mapping[str, Any]) -> Any:
     )
 
 
-def build_llm(model: str, extra: Mapping[str, Any] | None, *, dtype: str = "float32",
-              max_model_len: int = 4096, block_size: int = DEFAULT_BLOCK_SIZE) -> Any:
+def build_llm(
+    model: str,
+    extra: Mapping[str, Any] | None,
+    *,
+    dtype: str = "float32",
+    max_model_len: int = 4096,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Any:
     """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
 
     Prefix caching is off: a compacting policy requires it, and it keeps "store hit" and
@@ -48,9 +54,16 @@ def build_llm(model: str, extra: Mapping[str, Any] | None, *, dtype: str = "floa
     kwargs: dict[str, Any] = {"dtype": dtype}
     if extra is not None:
         kwargs["kv_transfer_config"] = transfer_config(extra)
-    return LLM(model=model, block_size=block_size, max_model_len=max_model_len,
-               enforce_eager=True, enable_prefix_caching=False,
-               max_num_batched_tokens=max_model_len, seed=0, **kwargs)
+    return LLM(
+        model=model,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max_model_len,
+        seed=0,
+        **kwargs,
+    )
 
 
 def worker_connector() -> Any:

@@ -45,8 +45,13 @@ class _Tracked:
 class SchedulerHalf:
     """Decides loads and saves for every request; talks to the store's index only."""
 
-    def __init__(self, config: ConnectorConfig, facts: shim.EngineFacts, store: TieredStore,
-                 keyer: ChunkKeyer) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        facts: shim.EngineFacts,
+        store: TieredStore,
+        keyer: ChunkKeyer,
+    ) -> None:
         self.config = config
         self.facts = facts
         self.store = store
@@ -89,8 +94,12 @@ class SchedulerHalf:
             if problem is not None:
                 if chunk is not None:
                     self.stats["rejected_chunks"] += 1
-                    logger.warning("rejecting stored chunk %d of %s (%s); recomputing from it",
-                                   first + index, request.request_id, problem)
+                    logger.warning(
+                        "rejecting stored chunk %d of %s (%s); recomputing from it",
+                        first + index,
+                        request.request_id,
+                        problem,
+                    )
                 break
             assert chunk is not None
             chunks.append(chunk.clone())  # tiers hand out views; loads happen a step later
@@ -103,10 +112,24 @@ class SchedulerHalf:
     def _problem(self, chunk: CompactedChunk) -> str | None:
         """Why ``chunk`` cannot be loaded into this engine, or None."""
         f = self.facts
-        expected = (f.num_layers, f.num_kv_heads, f.head_dim, f.head_dim, f.dtype,
-                    self.config.chunk_size, self.kept)
-        got = (chunk.num_layers, chunk.num_kv_heads, chunk.keys.shape[1], chunk.values.shape[1],
-               chunk.dtype, chunk.num_tokens, chunk.uniform_count())
+        expected = (
+            f.num_layers,
+            f.num_kv_heads,
+            f.head_dim,
+            f.head_dim,
+            f.dtype,
+            self.config.chunk_size,
+            self.kept,
+        )
+        got = (
+            chunk.num_layers,
+            chunk.num_kv_heads,
+            chunk.keys.shape[1],
+            chunk.values.shape[1],
+            chunk.dtype,
+            chunk.num_tokens,
+            chunk.uniform_count(),
+        )
         if got != expected:
             return f"shape/dtype/kept {got} != expected {expected}"
         pos = chunk.positions
@@ -128,8 +151,9 @@ class SchedulerHalf:
             if tracked is None:
                 if sched.prompt_token_ids is None:
                     continue
-                tracked = _Tracked(prompt=sched.prompt_token_ids,
-                                   keys=self.keyer.keys(sched.prompt_token_ids))
+                tracked = _Tracked(
+                    prompt=sched.prompt_token_ids, keys=self.keyer.keys(sched.prompt_token_ids)
+                )
                 self._requests[sched.req_id] = tracked
             if sched.replace:
                 tracked.block_ids = list(sched.new_block_ids)
@@ -167,8 +191,9 @@ class SchedulerHalf:
                 num_blocks=hole_tokens // bs,
             )
 
-    def _plan_save(self, sched: shim.ScheduledRequest, tracked: _Tracked,
-                   meta: StepMetadata) -> None:
+    def _plan_save(
+        self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata
+    ) -> None:
         """Window captures in the steps that compute the prompt's last tokens; the save in
         the step that completes the prompt."""
         if not self.config.save or tracked.saved:
@@ -193,13 +218,15 @@ class SchedulerHalf:
                 logger.exception("store lookup failed while planning a save")
         if first >= n_full:
             return
-        meta.saves.append(SaveSpec(
-            req_id=sched.req_id,
-            block_ids=list(tracked.block_ids),
-            keys=tracked.keys[first:n_full],
-            start=first * c,
-            num_tokens=prompt_len - first * c,
-        ))
+        meta.saves.append(
+            SaveSpec(
+                req_id=sched.req_id,
+                block_ids=list(tracked.block_ids),
+                keys=tracked.keys[first:n_full],
+                start=first * c,
+                num_tokens=prompt_len - first * c,
+            )
+        )
 
     def finished(self, req_id: str) -> None:
         self._requests.pop(req_id, None)

@@ -26,8 +26,7 @@ class StoreRegistry:
 
     @staticmethod
     def _key(namespace: StoreNamespace, config: StoreConfig) -> str:
-        return namespace.digest().hex() + json.dumps(config.to_dict(), sort_keys=True,
-                                                     default=str)
+        return namespace.digest().hex() + json.dumps(config.to_dict(), sort_keys=True, default=str)
 
     def acquire(self, namespace: StoreNamespace, config: StoreConfig) -> TieredStore:
         key = self._key(namespace, config)

@@ -210,13 +210,22 @@ def wrap_attention_forward(name: str, layer: Any, before: BeforeHook, after: Aft
     impl = layer.impl
     original = getattr(impl, "_lmcompact_original_forward", None) or impl.forward
 
-    def forward(layer_arg: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
-                *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        layer_arg: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if attn_metadata is not None:
             attn_metadata = before(name, layer_arg, query, attn_metadata, kv_cache)
-        result = original(layer_arg, query, key, value, kv_cache, attn_metadata, output,
-                          *args, **kwargs)
+        result = original(
+            layer_arg, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+        )
         if attn_metadata is not None:
             after(name, layer_arg, query, attn_metadata, result)
         return result
@@ -251,8 +260,9 @@ def slot_mapping(metadata: Any) -> torch.Tensor:
     return metadata.slot_mapping[: metadata.num_actual_tokens]
 
 
-def apply_holes(metadata: Any, holes: dict[int, Hole], block_size: int, layer: Any,
-                dtype: torch.dtype) -> Any:
+def apply_holes(
+    metadata: Any, holes: dict[int, Hole], block_size: int, layer: Any, dtype: torch.dtype
+) -> Any:
     """A copy of one attention metadata object with holes skipped (or the same object).
 
     Args:
@@ -279,8 +289,14 @@ def apply_holes(metadata: Any, holes: dict[int, Hole], block_size: int, layer: A
     )
 
 
-def _cpu_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor, max_len: int,
-                  layer: Any, dtype: torch.dtype) -> Any:
+def _cpu_metadata(
+    metadata: Any,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    layer: Any,
+    dtype: torch.dtype,
+) -> Any:
     from vllm import _custom_ops as ops
     from vllm import envs
 
@@ -302,12 +318,16 @@ def _cpu_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor, max_le
         dynamic_causal=None,
         kv_cache_dtype=impl.kv_cache_dtype,
     )
-    return dataclasses.replace(metadata, block_table=table, seq_lens=lens, max_seq_len=max_len,
-                               scheduler_metadata=scheduler)
+    return dataclasses.replace(
+        metadata,
+        block_table=table,
+        seq_lens=lens,
+        max_seq_len=max_len,
+        scheduler_metadata=scheduler,
+    )
 
 
-def _flash_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor,
-                    max_len: int) -> Any:
+def _flash_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor, max_len: int) -> Any:
     changes: dict[str, Any] = {"block_table": table, "seq_lens": lens, "max_seq_len": max_len}
     fields = {f.name for f in dataclasses.fields(metadata)}
     if "scheduler_metadata" in fields:

@@ -38,8 +38,9 @@ AttentionObserver = Callable[[str, torch.Tensor, Any, torch.Tensor], None]
 class WorkerHalf:
     """Loads, captures and saves KV for one worker (tensor-parallel rank 0 of 1)."""
 
-    def __init__(self, config: ConnectorConfig, facts: shim.EngineFacts, vllm_config: Any,
-                 store: TieredStore) -> None:
+    def __init__(
+        self, config: ConnectorConfig, facts: shim.EngineFacts, vllm_config: Any, store: TieredStore
+    ) -> None:
         self.config = config
         self.facts = facts
         self.vllm_config = vllm_config
@@ -61,8 +62,14 @@ class WorkerHalf:
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
         self.stats: dict[str, float] = {
-            "loads": 0, "loaded_chunks": 0, "saves": 0, "saved_chunks": 0,
-            "bytes_stored": 0, "bytes_full": 0, "compact_s": 0.0, "compact_tokens": 0,
+            "loads": 0,
+            "loaded_chunks": 0,
+            "saves": 0,
+            "saved_chunks": 0,
+            "bytes_stored": 0,
+            "bytes_full": 0,
+            "compact_s": 0.0,
+            "compact_tokens": 0,
             "save_errors": 0,
         }
 
@@ -82,11 +89,15 @@ class WorkerHalf:
         first = next(iter(self.layers))
         shim.check_page_layout(self.facts, self.kv_caches[first], self.layers[first])
         for name, layer in self.layers.items():
-            shim.wrap_attention_forward(name, layer, self._before_attention,
-                                        self._after_attention)
-        logger.info("LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d "
-                    "per chunk", len(self.layers), self.layout.name, self.config.policy,
-                    self.kept, self.config.chunk_size)
+            shim.wrap_attention_forward(name, layer, self._before_attention, self._after_attention)
+        logger.info(
+            "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
+            len(self.layers),
+            self.layout.name,
+            self.config.policy,
+            self.kept,
+            self.config.chunk_size,
+        )
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: StepMetadata) -> None:
@@ -119,14 +130,20 @@ class WorkerHalf:
             layer = self.layer_index[name]
             for i, chunk in enumerate(load.chunks):
                 keys, values, _ = chunk.to_dense()  # (L, H, kept, D)
-                self.layout.write(kv, load.block_ids, load.start + i * self.kept,
-                                  keys[layer, :h], values[layer, :h])
+                self.layout.write(
+                    kv,
+                    load.block_ids,
+                    load.start + i * self.kept,
+                    keys[layer, :h],
+                    values[layer, :h],
+                )
         self.stats["loads"] += 1
         self.stats["loaded_chunks"] += len(load.chunks)
         logger.debug("loaded %d chunks for %s", len(load.chunks), load.req_id)
 
-    def _find_capture_rows(self, meta: StepMetadata,
-                           per_layer: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _find_capture_rows(
+        self, meta: StepMetadata, per_layer: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
         if not meta.captures or not per_layer:
             return {}
         slots = shim.slot_mapping(next(iter(per_layer.values()))).to("cpu", torch.int64)
@@ -135,8 +152,12 @@ class WorkerHalf:
             wanted = torch.tensor(spec.slots, dtype=torch.int64)
             found = torch.nonzero(torch.isin(slots, wanted)).flatten()
             if found.numel() != len(spec.slots):
-                logger.warning("capture of %s found %d of %d window tokens", spec.req_id,
-                               found.numel(), len(spec.slots))
+                logger.warning(
+                    "capture of %s found %d of %d window tokens",
+                    spec.req_id,
+                    found.numel(),
+                    len(spec.slots),
+                )
                 continue
             rows[spec.req_id] = found
             self._captured.setdefault(spec.req_id, [[] for _ in self.layers])
@@ -148,19 +169,25 @@ class WorkerHalf:
         for name, attn_metadata in per_layer.items():
             key = id(attn_metadata)
             if key not in self._edited:
-                self._edited[key] = shim.apply_holes(attn_metadata, meta.holes,
-                                                     self.facts.block_size, self.layers[name],
-                                                     self.facts.dtype)
+                self._edited[key] = shim.apply_holes(
+                    attn_metadata,
+                    meta.holes,
+                    self.facts.block_size,
+                    self.layers[name],
+                    self.facts.dtype,
+                )
             per_layer[name] = self._edited[key]
 
-    def _before_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
-                          kv_cache: torch.Tensor) -> Any:
+    def _before_attention(
+        self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any, kv_cache: torch.Tensor
+    ) -> Any:
         if not self._prepared and self._meta is not None:
             self.prepare(shim.current_forward_context())
         return self._edited.get(id(attn_metadata), attn_metadata)
 
-    def _after_attention(self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any,
-                         output: torch.Tensor) -> None:
+    def _after_attention(
+        self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any, output: torch.Tensor
+    ) -> None:
         if self._capture_rows:
             index = self.layer_index[name]
             for req_id, rows in self._capture_rows.items():
@@ -198,14 +225,21 @@ class WorkerHalf:
             queries = [torch.cat(parts).float() for parts in captured]
             query_positions = torch.tensor(positions, dtype=torch.int64)
         first_layer = next(iter(self.layers.values()))
-        return SaveJob(spec.req_id, spec.keys, spec.start, spec.num_tokens, pages, queries,
-                       query_positions, shim.attention_scale(first_layer))
+        return SaveJob(
+            spec.req_id,
+            spec.keys,
+            spec.start,
+            spec.num_tokens,
+            pages,
+            queries,
+            query_positions,
+            shim.attention_scale(first_layer),
+        )
 
     def _run_job(self, job: SaveJob) -> None:
         try:
             began = time.perf_counter()
-            items = compact_job(job, self.layout, self.policy, self.config.chunk_size,
-                                self.kept)
+            items = compact_job(job, self.layout, self.policy, self.config.chunk_size, self.kept)
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
             with self._lock:
@@ -217,13 +251,13 @@ class WorkerHalf:
                     if ok:
                         self.stats["bytes_stored"] += chunk.payload_nbytes
                         self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
-            logger.debug("stored %d/%d chunks of %s in %.3f s", sum(stored), len(items),
-                         job.req_id, elapsed)
+            logger.debug(
+                "stored %d/%d chunks of %s in %.3f s", sum(stored), len(items), job.req_id, elapsed
+            )
         except Exception:  # never take the engine down for a failed save
             with self._lock:
                 self.stats["save_errors"] += 1
-            logger.exception("saving KV of %s failed; it will be recomputed next time",
-                             job.req_id)
+            logger.exception("saving KV of %s failed; it will be recomputed next time", job.req_id)
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every background save finished (tests, benchmarks, shutdown)."""

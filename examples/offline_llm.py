@@ -1,6 +1,6 @@
 """Offline vLLM with the LMCompact connector: the second request loads a compacted prefix.
 
-    PYTHONPATH=. python examples/offline_llm.py [MODEL_DIR]
+PYTHONPATH=. python examples/offline_llm.py [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -16,16 +16,25 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    model = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser(
-        "~/.cache/lmcompact/models/smollm2-135m-instruct")
+    model = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.expanduser("~/.cache/lmcompact/models/smollm2-135m-instruct")
+    )
     kv = KVTransferConfig(
         kv_connector="LMCompactConnector",
         kv_connector_module_path="connectors.lmcompact_connector",
         kv_role="kv_both",
         kv_connector_extra_config={"policy": "snapkv", "budget": 0.5, "chunk_size": 128},
     )
-    llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=4096,
-              enable_prefix_caching=False, kv_transfer_config=kv)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        block_size=32,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        kv_transfer_config=kv,
+    )
     context = " ".join(f"Item {i} is stored on shelf {i * 7 % 31}." for i in range(120))
     prompt = f"{context}\nQuestion: on which shelf is item 42? Answer: item 42 is on shelf"
     params = SamplingParams(temperature=0.0, max_tokens=8)

@@ -22,8 +22,11 @@ def main() -> None:
     from lmcompact.policies import CompactionInputs, LayerObservation, Need, make_policy
     from lmcompact.store import ChunkKeyer, StoreConfig, StoreNamespace, TieredStore
 
-    model_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser(
-        "~/.cache/lmcompact/models/smollm2-135m-instruct")
+    model_dir = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.expanduser("~/.cache/lmcompact/models/smollm2-135m-instruct")
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     text = " ".join(f"Item {i} is stored on shelf {i * 7 % 31}." for i in range(60))
@@ -35,8 +38,13 @@ def main() -> None:
     n = ids.shape[1] // chunk * chunk
 
     policy = make_policy("snapkv", budget=0.5)
-    namespace = StoreNamespace(model_dir, "float32", "lmcompact-rows-v1", policy_name="snapkv",
-                               policy_params={"budget": 0.5})
+    namespace = StoreNamespace(
+        model_dir,
+        "float32",
+        "lmcompact-rows-v1",
+        policy_name="snapkv",
+        policy_params={"budget": 0.5},
+    )
     store = TieredStore(namespace, StoreConfig(cpu_capacity_bytes=256 << 20))
     keys = ChunkKeyer(namespace, chunk).keys(ids[0].tolist())
     # Window queries are not exposed by transformers' forward; use the last keys as a stand-in
@@ -49,19 +57,29 @@ def main() -> None:
         layers = []
         for k, v in per_layer:
             probe = k[:, n - window : n].repeat_interleave(group, dim=0).transpose(0, 1)
-            mass, _ = observe_layer(k[:, :n], v[:, :n], probe,
-                                    torch.arange(n - window, n), 0, Need.WINDOW_SCORES,
-                                    k.shape[-1] ** -0.5)
+            mass, _ = observe_layer(
+                k[:, :n],
+                v[:, :n],
+                probe,
+                torch.arange(n - window, n),
+                0,
+                Need.WINDOW_SCORES,
+                k.shape[-1] ** -0.5,
+            )
             assert mass is not None
-            layers.append(LayerObservation(keys=k[:, lo:hi], values=v[:, lo:hi],
-                                           window_scores=mass[:, lo:hi]))
-        plan = policy.plan(CompactionInputs(chunk, layers[0].keys.shape[0], layers,
-                                            budget_tokens=chunk // 2))
+            layers.append(
+                LayerObservation(keys=k[:, lo:hi], values=v[:, lo:hi], window_scores=mass[:, lo:hi])
+            )
+        plan = policy.plan(
+            CompactionInputs(chunk, layers[0].keys.shape[0], layers, budget_tokens=chunk // 2)
+        )
         compacted = build_chunk(per_layer, lo, chunk, plan, chunk // 2, None)
         store.put(key, compacted)
         stored += compacted.payload_nbytes
-    print(f"stored {len(keys)} chunks, {stored} bytes; lookup hits "
-          f"{store.lookup_prefix(keys)} of {len(keys)}")
+    print(
+        f"stored {len(keys)} chunks, {stored} bytes; lookup hits "
+        f"{store.lookup_prefix(keys)} of {len(keys)}"
+    )
     store.close()
 
 

@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policies", default="none,snapkv",
-                        help="comma-separated policies (default none,snapkv)")
+    parser.add_argument(
+        "--policies", default="none,snapkv", help="comma-separated policies (default none,snapkv)"
+    )
     parser.add_argument("--budget", type=float, default=0.5, help="kept fraction (default 0.5)")
     parser.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
@@ -33,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
 
 
-def measure(model: str, prompt: list[int], policy: str, budget: float,
-            chunk_size: int) -> dict[str, Any]:
+def measure(
+    model: str, prompt: list[int], policy: str, budget: float, chunk_size: int
+) -> dict[str, Any]:
     from connectors import offline
 
     extra = {"policy": policy, "budget": budget, "chunk_size": chunk_size, "window": 64}
@@ -57,10 +59,14 @@ def measure(model: str, prompt: list[int], policy: str, budget: float,
         "loaded_chunks": int(stats.get("loaded_chunks", 0)),
         "bytes_stored": int(stats.get("bytes_stored", 0)),
         "bytes_full": int(stats.get("bytes_full", 0)),
-        "stored_fraction": (stats["bytes_stored"] / stats["bytes_full"]
-                            if stats.get("bytes_full") else None),
-        "compaction_s_per_1k_tokens": (1000 * stats["compact_s"] / stats["compact_tokens"]
-                                       if stats.get("compact_tokens") else None),
+        "stored_fraction": (
+            stats["bytes_stored"] / stats["bytes_full"] if stats.get("bytes_full") else None
+        ),
+        "compaction_s_per_1k_tokens": (
+            1000 * stats["compact_s"] / stats["compact_tokens"]
+            if stats.get("compact_tokens")
+            else None
+        ),
     }
 
 
@@ -78,10 +84,25 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt = build_prompt(tokenizer, haystack(tokenizer, args.prompt_tokens - 40, 0.5))
-    rows = [measure(args.model, prompt, p.strip(), args.budget, args.chunk_size)
-            for p in args.policies.split(",") if p.strip()]
-    print(format_table(rows, ["policy", "budget", "prompt_tokens", "ttft_recompute_s",
-                              "ttft_hit_s", "speedup", "stored_fraction",
-                              "compaction_s_per_1k_tokens"]))
+    rows = [
+        measure(args.model, prompt, p.strip(), args.budget, args.chunk_size)
+        for p in args.policies.split(",")
+        if p.strip()
+    ]
+    print(
+        format_table(
+            rows,
+            [
+                "policy",
+                "budget",
+                "prompt_tokens",
+                "ttft_recompute_s",
+                "ttft_hit_s",
+                "speedup",
+                "stored_fraction",
+                "compaction_s_per_1k_tokens",
+            ],
+        )
+    )
     write_json(args.json, {"machine": platform.machine(), "rows": rows})
     return 0

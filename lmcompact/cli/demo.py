@@ -28,14 +28,20 @@ QUESTION = "What is the secret code of the blue door? Reply with the number only
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="snapkv", help="compaction policy (default snapkv)")
     parser.add_argument("--budget", type=float, default=0.5, help="kept fraction (default 0.5)")
-    parser.add_argument("--context-tokens", type=int, default=1500,
-                        help="haystack length in tokens (default 1500)")
-    parser.add_argument("--needle-depth", type=float, default=0.4,
-                        help="needle position as a fraction of the haystack (default 0.4)")
+    parser.add_argument(
+        "--context-tokens", type=int, default=1500, help="haystack length in tokens (default 1500)"
+    )
+    parser.add_argument(
+        "--needle-depth",
+        type=float,
+        default=0.4,
+        help="needle position as a fraction of the haystack (default 0.4)",
+    )
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk")
     parser.add_argument("--window", type=int, default=48, help="observation window (queries)")
-    parser.add_argument("--model", default=None,
-                        help="model folder (default: prepared SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="model folder (default: prepared SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24, help="answer length")
     parser.add_argument("--json", default=None, help="write the result as JSON here ('-': stdout)")
 
@@ -79,8 +85,13 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt = build_prompt(tokenizer, haystack(tokenizer, args.context_tokens, args.needle_depth))
-    extra = {"policy": args.policy, "budget": args.budget, "chunk_size": args.chunk_size,
-             "window": args.window, "tiers": ["cpu"]}
+    extra = {
+        "policy": args.policy,
+        "budget": args.budget,
+        "chunk_size": args.chunk_size,
+        "window": args.window,
+        "tiers": ["cpu"],
+    }
     llm = offline.build_llm(args.model, extra, max_model_len=max(4096, len(prompt) + 64))
     try:
         first = offline.generate(llm, prompt, max_tokens=1)  # miss: computes, then stores
@@ -106,16 +117,23 @@ def run(args: argparse.Namespace) -> int:
         "ttft_second_s": second.seconds,
         "compaction_s_per_1k_tokens": (
             1000 * stats["compact_s"] / stats["compact_tokens"]
-            if stats.get("compact_tokens") else None
+            if stats.get("compact_tokens")
+            else None
         ),
     }
     ratio = result["bytes_stored"] / result["bytes_full"] if result["bytes_full"] else None
-    print(format_table([
-        {"request": "first (miss, stores)", "ttft_s": first.seconds, "store_hit": False},
-        {"request": "second (same context)", "ttft_s": second.seconds, "store_hit": hit},
-    ]))
-    print(f"policy {args.policy} budget {args.budget}: stored {result['bytes_stored']} of "
-          f"{result['bytes_full']} bytes ({ratio if ratio is None else round(ratio, 3)}); "
-          f"answer {result['answer']!r} correct={result['answer_correct']}")
+    print(
+        format_table(
+            [
+                {"request": "first (miss, stores)", "ttft_s": first.seconds, "store_hit": False},
+                {"request": "second (same context)", "ttft_s": second.seconds, "store_hit": hit},
+            ]
+        )
+    )
+    print(
+        f"policy {args.policy} budget {args.budget}: stored {result['bytes_stored']} of "
+        f"{result['bytes_full']} bytes ({ratio if ratio is None else round(ratio, 3)}); "
+        f"answer {result['answer']!r} correct={result['answer_correct']}"
+    )
     write_json(args.json, result)
     return 0 if hit and result["answer_correct"] else 1

@@ -103,11 +103,18 @@ def build_model(spec: ModelSpec, root: Path) -> Path:
 
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-        max_position_embeddings=8192, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        vocab_size=vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(1)
     model = LlamaForCausalLM(config)
@@ -135,8 +142,9 @@ def block_size() -> int:
 
 
 @contextmanager
-def engine(model: Path, extra: dict[str, Any] | None, *,
-           prefix_caching: bool = False) -> Iterator[Any]:
+def engine(
+    model: Path, extra: dict[str, Any] | None, *, prefix_caching: bool = False
+) -> Iterator[Any]:
     """An in-process ``LLM``; ``extra`` None runs without the connector."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -151,9 +159,17 @@ def engine(model: Path, extra: dict[str, Any] | None, *,
         )
     if on_cuda():
         kwargs["gpu_memory_utilization"] = 0.25
-    llm = LLM(model=str(model), dtype="bfloat16" if on_cuda() else "float32",
-              block_size=block_size(), max_model_len=4096, enforce_eager=True,
-              enable_prefix_caching=prefix_caching, max_num_batched_tokens=4096, seed=0, **kwargs)
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16" if on_cuda() else "float32",
+        block_size=block_size(),
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=4096,
+        seed=0,
+        **kwargs,
+    )
     try:
         yield llm
     finally:
@@ -181,8 +197,9 @@ def greedy(llm: Any, ids: list[int], max_tokens: int) -> tuple[list[int], list[f
     """Greedy token ids and their log-probabilities."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            logprobs=1, detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1, detokenize=False
+    )
     request = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     CACHED.append(getattr(request, "num_cached_tokens", None))
     out = request.outputs[0]
@@ -202,23 +219,24 @@ class Recorder:
         self.names = set(names)
         self.calls: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
 
-    def __call__(self, name: str, query: torch.Tensor, metadata: Any,
-                 output: torch.Tensor) -> None:
+    def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         if name not in self.names or metadata.num_actual_tokens < 2:
             return
         n = int(metadata.num_actual_tokens)
         row = metadata.block_table[0].tolist()
         seq_len = int(metadata.seq_lens[0])
         keys, values = self.half.layout.read(self.half.kv_caches[name], row, 0, seq_len)
-        self.calls[name].append({
-            "query": query[:n].detach().float().cpu(),
-            "output": output[:n].detach().float().cpu(),
-            "block_row": row,
-            "seq_len": seq_len,
-            "keys": keys.float().cpu(),  # as the kernel sees them (hole already skipped)
-            "values": values.float().cpu(),
-            "metadata": type(metadata).__name__,
-        })
+        self.calls[name].append(
+            {
+                "query": query[:n].detach().float().cpu(),
+                "output": output[:n].detach().float().cpu(),
+                "block_row": row,
+                "seq_len": seq_len,
+                "keys": keys.float().cpu(),  # as the kernel sees them (hole already skipped)
+                "values": values.float().cpu(),
+                "metadata": type(metadata).__name__,
+            }
+        )
 
 
 # ------------------------------------------------------------------------------- checks
@@ -253,9 +271,11 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     kv_equal = all(
         len(calls) == 2
         and torch.equal(calls[1]["keys"][:, :connector_hit], calls[0]["keys"][:, :connector_hit])
-        and torch.equal(calls[1]["values"][:, :connector_hit],
-                        calls[0]["values"][:, :connector_hit])
-        for calls in recorder.calls.values())
+        and torch.equal(
+            calls[1]["values"][:, :connector_hit], calls[0]["values"][:, :connector_hit]
+        )
+        for calls in recorder.calls.values()
+    )
 
     def lp_diff(a: list[float], b: list[float]) -> float:
         return max((abs(x - y) for x, y in zip(a, b, strict=False)), default=0.0)
@@ -263,19 +283,34 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     def diverge(a: list[int], b: list[int]) -> int | None:
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
-    ok = (first == base and second == warm and first_lp == base_lp and second_lp == warm_lp
-          and kv_equal and stats["saved_chunks"] == n_chunks
-          and stats["loaded_chunks"] == n_chunks and connector_hit == vllm_hit)
+    ok = (
+        first == base
+        and second == warm
+        and first_lp == base_lp
+        and second_lp == warm_lp
+        and kv_equal
+        and stats["saved_chunks"] == n_chunks
+        and stats["loaded_chunks"] == n_chunks
+        and connector_hit == vllm_hit
+    )
     return {
-        "check": "none_roundtrip", "model": spec.name, "pass": ok,
-        "prompt_tokens": length, "chunk_size": spec.chunk, "chunks": n_chunks,
-        "connector_hit_tokens": connector_hit, "vllm_prefix_cache_hit_tokens": vllm_hit,
+        "check": "none_roundtrip",
+        "model": spec.name,
+        "pass": ok,
+        "prompt_tokens": length,
+        "chunk_size": spec.chunk,
+        "chunks": n_chunks,
+        "connector_hit_tokens": connector_hit,
+        "vllm_prefix_cache_hit_tokens": vllm_hit,
         "vllm_prefix_cache_run_num_cached_tokens": warm_cached,
         "reload_run_num_cached_tokens": second_cached,
-        "saved_chunks": stats["saved_chunks"], "loaded_chunks": stats["loaded_chunks"],
+        "saved_chunks": stats["saved_chunks"],
+        "loaded_chunks": stats["loaded_chunks"],
         "reloaded_prefix_kv_bitwise_equal_all_layers": kv_equal,
-        "cold_tokens": base, "vllm_prefix_cache_tokens": warm,
-        "store_run_tokens": first, "reload_run_tokens": second,
+        "cold_tokens": base,
+        "vllm_prefix_cache_tokens": warm,
+        "store_run_tokens": first,
+        "reload_run_tokens": second,
         "store_run_identical_to_cold": first == base,
         "store_run_logprobs_bitwise_equal_cold": first_lp == base_lp,
         "reload_run_identical_to_vllm_prefix_cache": second == warm,
@@ -288,9 +323,15 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     }
 
 
-def reference(call: dict[str, Any], prefix: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-              tail_k: torch.Tensor, tail_v: torch.Tensor, n_prefix: int, total: int,
-              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    call: dict[str, Any],
+    prefix: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    n_prefix: int,
+    total: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine output, reference output) as ``(1, Hq, tail, D)`` float32.
 
     ``prefix[h]`` = (keys, values, positions) of head h's prefix tokens to attend to.
@@ -343,57 +384,89 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
         block = half.facts.block_size
     atol, rtol = (2e-2, 2e-2) if on_cuda() else (1e-4, 1e-4)
     layers_out = []
-    ok = (saved["saved_chunks"] == n_chunks and stats["loaded_chunks"] == n_chunks
-          and saved["bytes_stored"] <= 0.55 * saved["bytes_full"] and all(c is not None
-                                                                          for c in chunks))
+    ok = (
+        saved["saved_chunks"] == n_chunks
+        and stats["loaded_chunks"] == n_chunks
+        and saved["bytes_stored"] <= 0.55 * saved["bytes_full"]
+        and all(c is not None for c in chunks)
+    )
     for index, name in zip(spec.check_layers, names, strict=True):
         calls = recorder.calls[name]
         full_call, call = calls[0], calls[1]
         # keys the kernel read for the reloaded request: kept prefix packed, then the tail
-        tail_k = call["keys"][:, n_chunks * kept:]
-        tail_v = call["values"][:, n_chunks * kept:]
+        tail_k = call["keys"][:, n_chunks * kept :]
+        tail_v = call["values"][:, n_chunks * kept :]
         compacted = []
         for h in range(heads):
             parts = [c.head(index, h) for c in chunks]
-            compacted.append((
-                torch.cat([p[0].float() for p in parts]),
-                torch.cat([p[1].float() for p in parts]),
-                torch.cat([p[2].long() + i * spec.chunk for i, p in enumerate(parts)]),
-            ))
+            compacted.append(
+                (
+                    torch.cat([p[0].float() for p in parts]),
+                    torch.cat([p[1].float() for p in parts]),
+                    torch.cat([p[2].long() + i * spec.chunk for i, p in enumerate(parts)]),
+                )
+            )
         # packed pages hold exactly the stored kept rows
         packed_equal = all(
             torch.equal(call["keys"][h, : n_chunks * kept], compacted[h][0])
             and torch.equal(call["values"][h, : n_chunks * kept], compacted[h][1])
-            for h in range(heads))
-        full = [(full_call["keys"][h, :n_prefix], full_call["values"][h, :n_prefix],
-                 torch.arange(n_prefix)) for h in range(heads)]
-        got, expected = reference(call, compacted, tail_k, tail_v, n_prefix, spec.prompt_len,
-                                  head_dim)
-        _, expected_full = reference(call, full, tail_k, tail_v, n_prefix, spec.prompt_len,
-                                     head_dim)
+            for h in range(heads)
+        )
+        full = [
+            (
+                full_call["keys"][h, :n_prefix],
+                full_call["values"][h, :n_prefix],
+                torch.arange(n_prefix),
+            )
+            for h in range(heads)
+        ]
+        got, expected = reference(
+            call, compacted, tail_k, tail_v, n_prefix, spec.prompt_len, head_dim
+        )
+        _, expected_full = reference(
+            call, full, tail_k, tail_v, n_prefix, spec.prompt_len, head_dim
+        )
         diff = (got - expected).abs()
         within = bool((diff <= atol + rtol * expected.abs()).all())
         diff_full = float((got - expected_full).abs().max())
         seq_ok = call["seq_len"] == n_chunks * kept + tail
         layer_ok = within and seq_ok and packed_equal
         ok = ok and layer_ok
-        layers_out.append({
-            "layer": index, "pass": layer_ok, "metadata": call["metadata"],
-            "kernel_seq_len": call["seq_len"], "expected_seq_len": n_chunks * kept + tail,
-            "logical_seq_len": spec.prompt_len, "packed_pages_equal_stored": packed_equal,
-            "tail_queries": tail, "max_abs_diff_vs_compacted_ref": float(diff.max()),
-            "mean_abs_diff_vs_compacted_ref": float(diff.mean()),
-            "max_abs_diff_vs_full_prefix_ref": diff_full,
-            "max_abs_ref": float(expected.abs().max()), "atol": atol, "rtol": rtol,
-            "within_tolerance": within,
-            "control_ratio_full_over_compacted": diff_full / max(float(diff.max()), 1e-12),
-        })
+        layers_out.append(
+            {
+                "layer": index,
+                "pass": layer_ok,
+                "metadata": call["metadata"],
+                "kernel_seq_len": call["seq_len"],
+                "expected_seq_len": n_chunks * kept + tail,
+                "logical_seq_len": spec.prompt_len,
+                "packed_pages_equal_stored": packed_equal,
+                "tail_queries": tail,
+                "max_abs_diff_vs_compacted_ref": float(diff.max()),
+                "mean_abs_diff_vs_compacted_ref": float(diff.mean()),
+                "max_abs_diff_vs_full_prefix_ref": diff_full,
+                "max_abs_ref": float(expected.abs().max()),
+                "atol": atol,
+                "rtol": rtol,
+                "within_tolerance": within,
+                "control_ratio_full_over_compacted": diff_full / max(float(diff.max()), 1e-12),
+            }
+        )
     return {
-        "check": "compact_attention", "model": spec.name, "policy": policy, "budget": 0.5,
-        "pass": ok, "prompt_tokens": spec.prompt_len, "chunk_size": spec.chunk,
-        "block_size": block, "kept_per_chunk": kept, "chunks": n_chunks,
-        "saved_chunks": saved["saved_chunks"], "loaded_chunks": stats["loaded_chunks"],
-        "bytes_stored": saved["bytes_stored"], "bytes_full": saved["bytes_full"],
+        "check": "compact_attention",
+        "model": spec.name,
+        "policy": policy,
+        "budget": 0.5,
+        "pass": ok,
+        "prompt_tokens": spec.prompt_len,
+        "chunk_size": spec.chunk,
+        "block_size": block,
+        "kept_per_chunk": kept,
+        "chunks": n_chunks,
+        "saved_chunks": saved["saved_chunks"],
+        "loaded_chunks": stats["loaded_chunks"],
+        "bytes_stored": saved["bytes_stored"],
+        "bytes_full": saved["bytes_full"],
         "stored_ratio": saved["bytes_stored"] / max(1, saved["bytes_full"]),
         "layers": layers_out,
     }
@@ -403,8 +476,12 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
 def environment() -> dict[str, Any]:
     from connectors.vllm_shim import vllm_version
 
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "vllm": vllm_version(), "cuda": on_cuda()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm_version(),
+        "cuda": on_cuda(),
+    }
     if on_cuda():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
@@ -417,45 +494,53 @@ def summary_line(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"{tag} {name}: {result['error'].splitlines()[-1]}"
     if result["check"] == "none_roundtrip":
-        return (f"{tag} {name}: prompt {result['prompt_tokens']}, saved "
-                f"{result['saved_chunks']}/{result['chunks']} chunks, loaded "
-                f"{result['loaded_chunks']} ({result['connector_hit_tokens']} tokens; vLLM "
-                f"prefix-cache hit {result['vllm_prefix_cache_hit_tokens']}, num_cached_tokens "
-                f"{result['vllm_prefix_cache_run_num_cached_tokens']}); reloaded prefix "
-                f"K/V bitwise equal {result['reloaded_prefix_kv_bitwise_equal_all_layers']}; "
-                f"{len(result['cold_tokens'])} greedy tokens: store run == cold "
-                f"{result['store_run_identical_to_cold']} (logprobs bitwise "
-                f"{result['store_run_logprobs_bitwise_equal_cold']}); reload run == vLLM "
-                f"prefix-cache run {result['reload_run_identical_to_vllm_prefix_cache']} "
-                f"(logprobs bitwise "
-                f"{result['reload_run_logprobs_bitwise_equal_vllm_prefix_cache']}); reload == "
-                f"cold {result['reload_run_identical_to_cold']} (first divergence "
-                f"{result['reload_vs_cold_first_divergence']}, vLLM prefix cache vs cold "
-                f"{result['vllm_prefix_cache_vs_cold_first_divergence']})")
-    parts = [f"{tag} {name}: stored {result['stored_ratio']:.3f} x full, kept "
-             f"{result['kept_per_chunk']}/{result['chunk_size']} per chunk, loaded "
-             f"{result['loaded_chunks']}/{result['chunks']}"]
+        return (
+            f"{tag} {name}: prompt {result['prompt_tokens']}, saved "
+            f"{result['saved_chunks']}/{result['chunks']} chunks, loaded "
+            f"{result['loaded_chunks']} ({result['connector_hit_tokens']} tokens; vLLM "
+            f"prefix-cache hit {result['vllm_prefix_cache_hit_tokens']}, num_cached_tokens "
+            f"{result['vllm_prefix_cache_run_num_cached_tokens']}); reloaded prefix "
+            f"K/V bitwise equal {result['reloaded_prefix_kv_bitwise_equal_all_layers']}; "
+            f"{len(result['cold_tokens'])} greedy tokens: store run == cold "
+            f"{result['store_run_identical_to_cold']} (logprobs bitwise "
+            f"{result['store_run_logprobs_bitwise_equal_cold']}); reload run == vLLM "
+            f"prefix-cache run {result['reload_run_identical_to_vllm_prefix_cache']} "
+            f"(logprobs bitwise "
+            f"{result['reload_run_logprobs_bitwise_equal_vllm_prefix_cache']}); reload == "
+            f"cold {result['reload_run_identical_to_cold']} (first divergence "
+            f"{result['reload_vs_cold_first_divergence']}, vLLM prefix cache vs cold "
+            f"{result['vllm_prefix_cache_vs_cold_first_divergence']})"
+        )
+    parts = [
+        f"{tag} {name}: stored {result['stored_ratio']:.3f} x full, kept "
+        f"{result['kept_per_chunk']}/{result['chunk_size']} per chunk, loaded "
+        f"{result['loaded_chunks']}/{result['chunks']}"
+    ]
     for layer in result["layers"]:
         parts.append(
             f"  layer {layer['layer']} ({layer['metadata']}): kernel seq_len "
             f"{layer['kernel_seq_len']} (logical {layer['logical_seq_len']}), packed==stored "
             f"{layer['packed_pages_equal_stored']}, max|engine-ref(compacted)| "
             f"{layer['max_abs_diff_vs_compacted_ref']:.3g}, max|engine-ref(full prefix)| "
-            f"{layer['max_abs_diff_vs_full_prefix_ref']:.3g}, max|ref| {layer['max_abs_ref']:.3g}")
+            f"{layer['max_abs_diff_vs_full_prefix_ref']:.3g}, max|ref| {layer['max_abs_ref']:.3g}"
+        )
     return "\n".join(parts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smol")
-    parser.add_argument("--policies", default="snapkv,streaming_llm",
-                        help="compacting policies; the first runs on every model, the rest on "
-                             "the first model only")
+    parser.add_argument(
+        "--policies",
+        default="snapkv,streaming_llm",
+        help="compacting policies; the first runs on every model, the rest on the first model only",
+    )
     parser.add_argument("--work", default="/tmp/lmc-connector-models")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    out_json = args.json or (os.path.join(os.environ["OUT"], "result.json")
-                             if os.environ.get("OUT") else None)
+    out_json = args.json or (
+        os.path.join(os.environ["OUT"], "result.json") if os.environ.get("OUT") else None
+    )
     began = time.time()
     env = environment()
     print("environment:", json.dumps(env), flush=True)
@@ -469,8 +554,9 @@ def main() -> int:
             model = build_model(spec, Path(args.work))
             print(f"[{name}] model built in {time.time() - t0:.1f}s at {model}", flush=True)
         except Exception:
-            results.append({"check": "build", "model": name, "pass": False,
-                            "error": traceback.format_exc()})
+            results.append(
+                {"check": "build", "model": name, "pass": False, "error": traceback.format_exc()}
+            )
             print(summary_line(results[-1]), flush=True)
             continue
         jobs: list[tuple[str, str | None]] = [("none", None)]
@@ -484,8 +570,12 @@ def main() -> int:
                     assert policy is not None
                     result = check_compact(spec, model, policy)
             except Exception:
-                result = {"check": f"{kind}", "model": name, "pass": False,
-                          "error": traceback.format_exc()}
+                result = {
+                    "check": f"{kind}",
+                    "model": name,
+                    "pass": False,
+                    "error": traceback.format_exc(),
+                }
                 if policy:
                     result["policy"] = policy
                 print(result["error"], flush=True)
@@ -493,18 +583,26 @@ def main() -> int:
             results.append(result)
             print(summary_line(result), flush=True)
     passed = all(r.get("pass") for r in results) and bool(results)
-    report = {"environment": env, "passed": passed, "results": results,
-              "seconds": round(time.time() - began, 1),
-              "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    report = {
+        "environment": env,
+        "passed": passed,
+        "results": results,
+        "seconds": round(time.time() - began, 1),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(report, indent=1))
     print("=" * 30, "results", "=" * 30)
     for result in results:
         print(summary_line(result))
-    print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED",
-          f"({sum(bool(r.get('pass')) for r in results)}/{len(results)} checks, "
-          f"{report['seconds']}s)", flush=True)
+    print(
+        "SUMMARY:",
+        "ALL PASS" if passed else "SOME FAILED",
+        f"({sum(bool(r.get('pass')) for r in results)}/{len(results)} checks, "
+        f"{report['seconds']}s)",
+        flush=True,
+    )
     return 0 if passed else 1
 
 

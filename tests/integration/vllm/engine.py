@@ -28,17 +28,30 @@ def transfer_config(extra: Mapping[str, Any]) -> Any:
 
 
 @contextmanager
-def engine(model: str, extra: Mapping[str, Any] | None, *, max_model_len: int = 4096,
-           prefix_caching: bool = False) -> Iterator[Any]:
+def engine(
+    model: str,
+    extra: Mapping[str, Any] | None,
+    *,
+    max_model_len: int = 4096,
+    prefix_caching: bool = False,
+) -> Iterator[Any]:
     """An ``LLM`` in float32 on the CPU; ``extra`` None runs without the connector."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
     if extra is not None:
         kwargs["kv_transfer_config"] = transfer_config(extra)
-    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, max_model_len=max_model_len,
-              enforce_eager=True, enable_prefix_caching=prefix_caching,
-              max_num_batched_tokens=max_model_len, seed=0, **kwargs)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=max_model_len,
+        seed=0,
+        **kwargs,
+    )
     try:
         yield llm
     finally:

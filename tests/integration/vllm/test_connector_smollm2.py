@@ -44,8 +44,9 @@ def stats() -> dict[str, Any]:
     return dict(half.stats)
 
 
-def test_policy_none_cpu_tier_token_identical(smollm2_path: Path, prompt: list[int],
-                                             baseline: list[int]) -> None:
+def test_policy_none_cpu_tier_token_identical(
+    smollm2_path: Path, prompt: list[int], baseline: list[int]
+) -> None:
     with engine(str(smollm2_path), {"policy": "none", "chunk_size": CHUNK}) as llm:
         first = greedy(llm, prompt, MAX_TOKENS)
         stats()
@@ -65,8 +66,12 @@ def test_policy_none_redis_tier_corruption_and_outage(
 
     from lmcompact.store import ChunkKeyer
 
-    extra = {"policy": "none", "chunk_size": CHUNK, "tiers": ["redis"],
-             "redis_url": redis_server.url}
+    extra = {
+        "policy": "none",
+        "chunk_size": CHUNK,
+        "tiers": ["redis"],
+        "redis_url": redis_server.url,
+    }
     with engine(str(smollm2_path), extra) as llm:
         connector = worker_connector()
         first = greedy(llm, prompt, MAX_TOKENS)
@@ -100,8 +105,9 @@ def test_demo_needle_answered_at_half_budget(smollm2_path: Path, tmp_path: Path)
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     out = tmp_path / "demo.json"
-    args = parser.parse_args(["--model", str(smollm2_path), "--json", str(out),
-                              "--context-tokens", "1200"])
+    args = parser.parse_args(
+        ["--model", str(smollm2_path), "--json", str(out), "--context-tokens", "1200"]
+    )
     code = demo.run(args)
     result = json.loads(out.read_text())
     assert result["store_hit"] is True

@@ -28,17 +28,18 @@ class AttentionRecorder:
         self.layer_name = layer_name
         self.calls: list[dict[str, Any]] = []
 
-    def __call__(self, name: str, query: torch.Tensor, metadata: Any,
-                 output: torch.Tensor) -> None:
+    def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         if name != self.layer_name or metadata.num_actual_tokens < 2:
             return
         n = metadata.num_actual_tokens
-        self.calls.append({
-            "query": query[:n].clone(),
-            "output": output[:n].clone(),
-            "block_row": metadata.block_table[0].tolist(),
-            "seq_len": int(metadata.seq_lens[0]),
-        })
+        self.calls.append(
+            {
+                "query": query[:n].clone(),
+                "output": output[:n].clone(),
+                "block_row": metadata.block_table[0].tolist(),
+                "seq_len": int(metadata.seq_lens[0]),
+            }
+        )
 
 
 def stored_chunks(connector: Any, prompt: list[int]) -> list[Any]:
@@ -108,8 +109,9 @@ def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
         n_prefix = 4 * CHUNK
         tail = len(PROMPT) - n_prefix
         assert call["seq_len"] == 4 * kept + tail  # the hole is skipped
-        tail_k, tail_v = half.layout.read(half.kv_caches[layer_name], call["block_row"],
-                                          4 * kept, tail)
+        tail_k, tail_v = half.layout.read(
+            half.kv_caches[layer_name], call["block_row"], 4 * kept, tail
+        )
     layer = 1
     heads = half.facts.num_kv_heads
     keys, values, positions, counts = [], [], [], []
@@ -117,9 +119,12 @@ def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
         parts = [c.head(layer, h) for c in chunks]
         keys.append(torch.cat([p[0] for p in parts] + [tail_k[h]]))
         values.append(torch.cat([p[1] for p in parts] + [tail_v[h]]))
-        positions.append(torch.cat(
-            [p[2].long() + i * CHUNK for i, p in enumerate(parts)]
-            + [torch.arange(n_prefix, len(PROMPT))]))
+        positions.append(
+            torch.cat(
+                [p[2].long() + i * CHUNK for i, p in enumerate(parts)]
+                + [torch.arange(n_prefix, len(PROMPT))]
+            )
+        )
         counts.append(keys[-1].shape[0])
     cu = torch.zeros(heads + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(counts), 0)
@@ -150,8 +155,13 @@ def test_corrupted_entry_is_rejected_and_recomputed(tiny_model: str) -> None:
         assert good is not None
         counts = good.kept_counts.clone()
         counts[-1, -1] -= 1  # one head lost a row: no longer the engine's shape
-        bad = type(good)(good.keys[:-1].clone(), good.values[:-1].clone(), counts,
-                         good.positions[:-1].clone(), good.num_tokens)
+        bad = type(good)(
+            good.keys[:-1].clone(),
+            good.values[:-1].clone(),
+            counts,
+            good.positions[:-1].clone(),
+            good.num_tokens,
+        )
         cpu.delete(second_key)
         assert cpu.put(second_key, bad)
         out = greedy(llm, PROMPT)

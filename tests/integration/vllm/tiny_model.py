@@ -41,12 +41,11 @@ def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(
-        vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"]
-    )
+    trainer = trainers.WordLevelTrainer(vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"])
     words = corpus_words()
-    tok.train_from_iterator([" ".join(words[i : i + 64]) for i in range(0, len(words), 64)],
-                            trainer)
+    tok.train_from_iterator(
+        [" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], trainer
+    )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )

@@ -14,21 +14,29 @@ from lmcompact.store import ChunkKeyer, StoreNamespace
 
 
 def engine_checks(config: ConnectorConfig, **overrides: object) -> None:
-    kwargs: dict[str, object] = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2,
-                                 "head_dim": 16, "prefix_caching": False}
+    kwargs: dict[str, object] = {
+        "block_size": 32,
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "prefix_caching": False,
+    }
     kwargs.update(overrides)
     validate_against_engine(config, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    ({"polcy": "none"}, "unknown kv_connector_extra_config keys"),
-    ({"policy": "nope"}, "unknown policy 'nope'"),
-    ({"budget": 1.5}, r"budget must be a kept fraction in \(0, 1\]"),
-    ({"tiers": ["disk"]}, "tiers must be"),
-    ({"tiers": ["redis"]}, "redis_url must be set exactly when"),
-    ({"chunk_size": 0}, "chunk_size must be a positive int"),
-    ({"policy": "snapkv", "policy_params": {"budget": 0.3}}, "top-level 'budget'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"polcy": "none"}, "unknown kv_connector_extra_config keys"),
+        ({"policy": "nope"}, "unknown policy 'nope'"),
+        ({"budget": 1.5}, r"budget must be a kept fraction in \(0, 1\]"),
+        ({"tiers": ["disk"]}, "tiers must be"),
+        ({"tiers": ["redis"]}, "redis_url must be set exactly when"),
+        ({"chunk_size": 0}, "chunk_size must be a positive int"),
+        ({"policy": "snapkv", "policy_params": {"budget": 0.3}}, "top-level 'budget'"),
+    ],
+)
 def test_bad_options_name_the_value(extra: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ConnectorConfig.from_extra(extra)
@@ -45,8 +53,12 @@ def test_engine_checks() -> None:
     with pytest.raises(ValueError, match="CUMULATIVE_SCORES"):
         engine_checks(ConnectorConfig.from_extra({"policy": "h2o", "chunk_size": 64}))
     with pytest.raises(ValueError, match="different numbers of tokens per head or layer"):
-        engine_checks(ConnectorConfig.from_extra({"policy": "adakv", "chunk_size": 256}),
-                      num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's shape
+        engine_checks(
+            ConnectorConfig.from_extra({"policy": "adakv", "chunk_size": 256}),
+            num_layers=30,
+            num_kv_heads=3,
+            head_dim=64,
+        )  # SmolLM2's shape
 
 
 def test_kept_per_chunk_is_block_aligned() -> None:
@@ -81,8 +93,9 @@ def test_cpu_layout_stores_keys_transposed() -> None:
 
 
 def test_skip_holes_cuts_blocks_and_shortens_seq_len() -> None:
-    table = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 0, 0, 0, 0, 0, 0]],
-                         dtype=torch.int32)
+    table = torch.tensor(
+        [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 0, 0, 0, 0, 0, 0]], dtype=torch.int32
+    )
     lens = torch.tensor([8 * 32 - 5, 40], dtype=torch.int32)
     out = skip_holes(table, lens, 2, {11: Hole(11, 2, 4)}, 32)
     assert out is not None
@@ -108,8 +121,8 @@ def test_compact_job_keeps_budget_and_positions() -> None:
     ns = StoreNamespace("m", "float32", "rows")
     chunk_keys = ChunkKeyer(ns, chunk).keys(list(range(3 * bs)))
     queries = [torch.randn(8, 2 * h, d) for _ in range(layers)]
-    job = SaveJob("r", chunk_keys, 0, 3 * bs, pages, queries, torch.arange(88, 96), d ** -0.5)
-    (key, out), = compact_job(job, layout, make_policy("snapkv", budget=0.5), chunk, 32)
+    job = SaveJob("r", chunk_keys, 0, 3 * bs, pages, queries, torch.arange(88, 96), d**-0.5)
+    ((key, out),) = compact_job(job, layout, make_policy("snapkv", budget=0.5), chunk, 32)
     assert key == chunk_keys[0]
     assert out.uniform_count() == 32 and out.num_tokens == chunk
     for layer in range(layers):
