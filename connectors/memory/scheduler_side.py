@@ -126,7 +126,12 @@ class MemoryScheduler:
 
     def _ledger(self) -> BlockLedger:
         if self.ledger is None:
-            raise RuntimeError("memory manager used before bind_kv_cache_manager")
+            # vLLM 0.26's scheduler never calls bind_kv_cache_manager (0.32 does); without
+            # the manager no block can be released, so refuse instead of saving nothing
+            raise RuntimeError(
+                "LMCompactMemoryConnector needs the engine to call bind_kv_cache_manager "
+                "(vLLM >= 0.32); this vLLM did not. Use LMCompactConnector on this version."
+            )
         return self.ledger
 
     # ------------------------------------------------------------------ hooks
