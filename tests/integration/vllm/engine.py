@@ -16,12 +16,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BLOCK_SIZE = 32
 
 
-def transfer_config(extra: Mapping[str, Any]) -> Any:
+def transfer_config(
+    extra: Mapping[str, Any],
+    connector: str = "LMCompactConnector",
+    module_path: str = "connectors.lmcompact_connector",
+) -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
-        kv_connector="LMCompactConnector",
-        kv_connector_module_path="connectors.lmcompact_connector",
+        kv_connector=connector,
+        kv_connector_module_path=module_path,
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
     )

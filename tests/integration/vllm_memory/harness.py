@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from tests.integration.vllm.engine import BLOCK_SIZE, transfer_config
 
-BLOCK_SIZE = 32
+__all__ = ["BLOCK_SIZE", "memory_engine", "memory_transfer_config"]
 
 
 def memory_transfer_config(extra: Mapping[str, Any]) -> Any:
-    from vllm.config import KVTransferConfig
-
-    return KVTransferConfig(
-        kv_connector="LMCompactMemoryConnector",
-        kv_connector_module_path="connectors.memory.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(extra),
-    )
+    return transfer_config(extra, "LMCompactMemoryConnector", "connectors.memory.connector")
 
 
 @contextmanager
