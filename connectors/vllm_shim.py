@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -171,6 +172,27 @@ def request_prompt_ids(request: Any) -> list[int]:
 def allocated_block_ids(blocks: Any) -> list[int]:
     """Group-0 block ids of a ``KVCacheBlocks``."""
     return _group0(blocks.get_block_ids())
+
+
+def kv_cache_manager_owning(block_pool: Any, max_depth: int = 8) -> Any | None:
+    """The scheduler's ``KVCacheManager`` whose ``block_pool`` is ``block_pool``, or None.
+
+    vLLM 0.32 hands connectors the manager (``bind_kv_cache_manager``); vLLM 0.26 creates the
+    connector before the manager and only calls ``bind_gpu_block_pool(manager.block_pool)``
+    from ``Scheduler.__init__``. That caller's ``self`` is the scheduler, so its
+    ``kv_cache_manager`` is found a few frames up; it is accepted only if its block pool is
+    the very object passed in.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        manager = getattr(owner, "kv_cache_manager", None)
+        if manager is not None and getattr(manager, "block_pool", None) is block_pool:
+            return manager
+        frame = frame.f_back
+    return None
 
 
 # ---------------------------------------------------------------------------- worker side

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from connectors import vllm_shim as shim
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
 from connectors.memory.packing import WindowQueries, pack_in_place
@@ -96,8 +97,24 @@ class LMCompactMemoryConnector(LMCompactConnector):
         return self.memory_scheduler
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
+        # vLLM >= 0.32: the manager itself (its base implementation then calls
+        # bind_gpu_block_pool, which finds the manager already bound)
         self._memory().bind(kv_cache_manager)
+        super().bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        memory = self._memory()
+        if memory.ledger is not None:
+            return
+        # vLLM 0.26 hands over only the pool; its owner is the scheduler's manager
+        manager = shim.kv_cache_manager_owning(gpu_block_pool)
+        if manager is None:
+            raise RuntimeError(
+                "LMCompactMemoryConnector could not find the KVCacheManager that owns the "
+                f"block pool (vLLM {shim.vllm_version()}); use LMCompactConnector instead"
+            )
+        memory.bind(manager)
 
     def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
         step = super().build_connector_meta(scheduler_output).step

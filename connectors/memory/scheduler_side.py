@@ -126,11 +126,10 @@ class MemoryScheduler:
 
     def _ledger(self) -> BlockLedger:
         if self.ledger is None:
-            # vLLM 0.26's scheduler never calls bind_kv_cache_manager (0.32 does); without
-            # the manager no block can be released, so refuse instead of saving nothing
+            # without the manager no block can be released: refuse instead of saving nothing
             raise RuntimeError(
-                "LMCompactMemoryConnector needs the engine to call bind_kv_cache_manager "
-                "(vLLM >= 0.32); this vLLM did not. Use LMCompactConnector on this version."
+                "LMCompactMemoryConnector was never bound to vLLM's KVCacheManager (neither "
+                "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
             )
         return self.ledger
 

@@ -12,8 +12,13 @@ from tests.integration.vllm.engine import BLOCK_SIZE, transfer_config
 __all__ = ["BLOCK_SIZE", "memory_engine", "memory_transfer_config"]
 
 
-def memory_transfer_config(extra: Mapping[str, Any]) -> Any:
-    return transfer_config(extra, "LMCompactMemoryConnector", "connectors.memory.connector")
+MEMORY_CONNECTOR = ("LMCompactMemoryConnector", "connectors.memory.connector")
+
+
+def memory_transfer_config(
+    extra: Mapping[str, Any], connector: tuple[str, str] = MEMORY_CONNECTOR
+) -> Any:
+    return transfer_config(extra, *connector)
 
 
 @contextmanager
@@ -25,18 +30,20 @@ def memory_engine(
     max_model_len: int = 2048,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
+    connector: tuple[str, str] = MEMORY_CONNECTOR,
 ) -> Iterator[Any]:
     """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector.
 
     Args:
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``), None for vLLM's
             own sizing.
+        connector: ``(class name, module path)`` of the connector.
     """
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
     if extra is not None:
-        kwargs["kv_transfer_config"] = memory_transfer_config(extra)
+        kwargs["kv_transfer_config"] = memory_transfer_config(extra, connector)
     if num_blocks is not None:
         kwargs["num_gpu_blocks_override"] = num_blocks
         # vLLM refuses a pool that cannot hold one max-length request (block 0 is null)

