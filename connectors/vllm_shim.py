@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
+from types import FrameType
 from typing import Any
 
 import torch
@@ -183,7 +184,7 @@ def kv_cache_manager_owning(block_pool: Any, max_depth: int = 8) -> Any | None:
     ``kv_cache_manager`` is found a few frames up; it is accepted only if its block pool is
     the very object passed in.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return None
