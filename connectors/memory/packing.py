@@ -61,12 +61,13 @@ def plan_pack(
     num_tokens = per_layer[0][0].shape[1]
     observations = []
     for index, (keys, values) in enumerate(per_layer):
-        queries = None if window is None else window.per_layer[index]
+        # window queries were copied to the host at capture; score where the keys are
+        queries = None if window is None else window.per_layer[index].to(keys.device)
         mass, rows = observe_layer(
             keys,
             values,
             queries,
-            None if window is None else window.positions,
+            None if window is None else window.positions.to(keys.device),
             0,
             policy.needs,
             1.0 if window is None else window.scale,
