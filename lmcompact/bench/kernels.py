@@ -127,6 +127,10 @@ def _window_row(t: int, w: int, args: argparse.Namespace, eager: bool) -> dict[s
     v = torch.randn_like(k)
     row: dict[str, Any] = {"T": t, "W": w, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
     row["kernel_ms"] = _bench(lambda: ws.window_scores(q, k))
+    bucket = 1 << (t - 1).bit_length()
+    row["tuned_configs"] = [  # pass 1 and pass 2, as the autotuner chose them for this T
+        str(config) for key, config in ws._tuned_pass_kernel.cache.items() if key[0] == bucket
+    ]
     row["sdpa_ms"], row["sdpa_backend"] = _sdpa_ms(q, k, v)
     row["kernel_graph_ms"] = _bench_graph(lambda: ws.window_scores(q, k))
     row["sdpa_graph_ms"] = _bench_graph(lambda: _sdpa(q, k, v))
@@ -137,22 +141,30 @@ def _window_row(t: int, w: int, args: argparse.Namespace, eager: bool) -> dict[s
     row["K_bytes"] = k.numel() * k.element_size()
     if args.variants and t == args.seq_len:
         variants: list[dict[str, Any]] = []
-        for bm, bn, nw, ns in (
-            (64, 128, 4, 2),
-            (64, 128, 4, 3),
-            (64, 128, 4, 1),
-            (64, 128, 8, 2),
-            (64, 128, 8, 3),
-            (64, 64, 4, 3),
-            (128, 128, 8, 2),
+        for bm, bn, nw, ns, reduce_each in (
+            (64, 128, 4, 2, False),
+            (64, 128, 4, 2, True),
+            (64, 128, 8, 2, True),
+            (128, 128, 8, 2, True),
+            (128, 128, 8, 3, True),
+            (64, 64, 4, 3, True),
+            (64, 256, 8, 2, True),
+            (128, 256, 8, 2, True),
         ):
             ms = _bench(
-                lambda bm=bm, bn=bn, nw=nw, ns=ns: ws.window_scores(
-                    q, k, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns
+                lambda bm=bm, bn=bn, nw=nw, ns=ns, re=reduce_each: ws.window_scores(
+                    q, k, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, reduce_each=re
                 )
             )
             variants.append(
-                {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "ms": ms}
+                {
+                    "block_m": bm,
+                    "block_n": bn,
+                    "num_warps": nw,
+                    "num_stages": ns,
+                    "reduce_each": reduce_each,
+                    "ms": ms,
+                }
             )
         row["variants"] = variants
     return row

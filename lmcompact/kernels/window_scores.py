@@ -19,6 +19,7 @@ Reference: :func:`lmcompact.attention.scores.window_scores`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -53,6 +54,7 @@ def _window_pass_kernel(
     stride_lr,
     stride_ob,
     stride_oh,
+    seq_bucket,  # autotuning key only: next power of two of seq_len
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     MASS: tl.constexpr,
@@ -60,6 +62,7 @@ def _window_pass_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    REDUCE_EACH: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,7 +78,12 @@ def _window_pass_kernel(
         mask=j_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # pass 2 sums p over rows: either per iteration into a key vector (fewer registers,
+    # more programs per SM) or once at the end (no cross-warp reduction in the loop)
+    if REDUCE_EACH:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     num_rows = GROUP * window
     # keys up to min_pos are seen by every query (min_pos < 0: unknown, always mask)
     tile_seen = pid_n * BLOCK_N + BLOCK_N - 1 <= min_pos
@@ -97,7 +105,10 @@ def _window_pass_kernel(
         if tile_seen and r0 + BLOCK_M <= num_rows:  # every row sees every key: no masks
             if MASS:
                 lse = tl.load(lse_ptr + l_off) * 1.4426950408889634
-                acc += tl.exp2(s - lse[:, None])
+                if REDUCE_EACH:
+                    acc += tl.sum(tl.exp2(s - lse[:, None]), 0)
+                else:
+                    acc += tl.exp2(s - lse[:, None])
             else:
                 m = tl.max(s, 1)
                 part = (m + tl.log2(tl.sum(tl.exp2(s - m[:, None]), 1))) * 0.6931471805599453
@@ -109,7 +120,10 @@ def _window_pass_kernel(
                 lse = lse * 1.4426950408889634
                 live = lse > float("-inf")
                 p = tl.exp2(s - tl.where(live, lse, 0.0)[:, None])
-                acc += tl.where(seen & live[:, None], p, 0.0)
+                if REDUCE_EACH:
+                    acc += tl.sum(tl.where(seen & live[:, None], p, 0.0), 0)
+                else:
+                    acc += tl.where(seen & live[:, None], p, 0.0)
             else:
                 s = tl.where(seen, s, float("-inf"))
                 m = tl.max(s, 1)
@@ -123,7 +137,10 @@ def _window_pass_kernel(
                 tl.store(lse_ptr + l_off + pid_n, part, mask=row_ok)
     if MASS:
         o_off = b * stride_ob + h * stride_oh + j
-        tl.store(out_ptr + o_off, tl.sum(acc, 0) / GROUP, mask=j_ok)
+        if REDUCE_EACH:
+            tl.store(out_ptr + o_off, acc / GROUP, mask=j_ok)
+        else:
+            tl.store(out_ptr + o_off, tl.sum(acc, 0) / GROUP, mask=j_ok)
 
 
 @triton.jit
@@ -150,16 +167,39 @@ def _merge_tiles_kernel(
     tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
+def _quick_bench(fn: Any, quantiles: Any = None) -> Any:
+    """Autotuning timer: shorter than Triton's default (the kernels run in microseconds)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+# BLOCK_N stays fixed (the pass-1 partials are laid out per key tile); everything else is
+# tuned once per (shape, power-of-two length) on the GPU at hand
+TUNED_BLOCK_N = 128
+_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "REDUCE_EACH": reduce}, num_warps=nw, num_stages=ns)
+    for bm in (64, 128)
+    for reduce in (False, True)
+    for nw in (4, 8)
+    for ns in (1, 2, 3)
+]
+_tuned_pass_kernel = triton.autotune(
+    configs=_CONFIGS,
+    key=["seq_bucket", "window", "head_dim", "HKV", "GROUP", "MASS", "LAST_W"],
+    do_bench=_quick_bench,
+)(_window_pass_kernel)
+
+
 def window_scores(
     queries: torch.Tensor,
     keys: torch.Tensor,
     *,
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
-    block_m: int = 64,
-    block_n: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    reduce_each: bool | None = None,
 ) -> torch.Tensor:
     """Attention mass per key from window queries (Triton), GQA-aware.
 
@@ -170,7 +210,9 @@ def window_scores(
         query_positions: ``(W,)`` positions (default the last W); key ``j`` is seen by
             query ``w`` when ``j <= query_positions[w]``.
         scale: Softmax scale (default ``1 / sqrt(D)``).
-        block_m, block_n, num_warps, num_stages: Tile and launch parameters.
+        block_m, block_n, num_warps, num_stages, reduce_each: A fixed launch
+            configuration; all None (the default) autotunes the row tile, warps, stages
+            and pass-2 reduction once per shape and power-of-two length.
 
     Returns:
         ``(B, Hkv, T)`` float32: mass summed over window queries, averaged over the
@@ -195,22 +237,33 @@ def window_scores(
         positions = mass  # unused: the kernel derives the last-W positions
     else:
         positions = query_positions.to(device=queries.device, dtype=torch.int32).contiguous()
-    n_tiles = triton.cdiv(t, block_n)
+    fixed = [block_m, block_n, num_warps, num_stages, reduce_each]
+    tuned = all(v is None for v in fixed)
+    bn = TUNED_BLOCK_N if block_n is None else block_n
+    n_tiles = triton.cdiv(t, bn)
     part = torch.empty(b, hkv, group * w, n_tiles, dtype=torch.float32, device=queries.device)
-    common = dict(
+    common: dict[str, Any] = dict(
         HKV=hkv,
         GROUP=group,
         LAST_W=query_positions is None,
         BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=bn,
     )
+    if tuned:
+        kernel: Any = _tuned_pass_kernel
+    else:
+        kernel = _window_pass_kernel
+        common.update(
+            BLOCK_M=64 if block_m is None else block_m,
+            REDUCE_EACH=bool(reduce_each),
+            num_warps=4 if num_warps is None else num_warps,
+            num_stages=2 if num_stages is None else num_stages,
+        )
     min_pos = t - w if query_positions is None else -1
     args = (scale * LOG2E, t, w, min_pos, d, *queries.stride()[:3], *keys.stride()[:3])
     grid = (b * hkv, n_tiles)
-    _window_pass_kernel[grid](
+    bucket = triton.next_power_of_2(t)
+    kernel[grid](
         queries,
         keys,
         positions,
@@ -220,6 +273,7 @@ def window_scores(
         *part.stride()[:3],
         0,
         0,
+        bucket,
         MASS=False,
         **common,
     )
@@ -227,7 +281,7 @@ def window_scores(
     _merge_tiles_kernel[(triton.cdiv(lse.numel(), 64),)](
         part, lse, lse.numel(), n_tiles, BLOCK_R=64, BLOCK_T=64, num_warps=4
     )  # lse is -inf for rows that see no key
-    _window_pass_kernel[grid](
+    kernel[grid](
         queries,
         keys,
         positions,
@@ -236,6 +290,7 @@ def window_scores(
         *args,
         *lse.stride(),
         *mass.stride()[:2],
+        bucket,
         MASS=True,
         **common,
     )

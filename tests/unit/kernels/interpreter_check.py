@@ -77,17 +77,22 @@ def check_window_scores() -> None:
         q = torch.randn(b, hkv * group, w, d, generator=gen)
         k = torch.randn(b, hkv, t, d, generator=gen)
         want, _ = window_scores_reference(q, k)
-        got = window_scores.window_scores(q, k, block_m=16, block_n=16)
-        check(f"window scores b{b} hkv{hkv} g{group} w{w} t{t}", got, want)
+        for reduce_each in (False, True):
+            got = window_scores.window_scores(q, k, block_m=16, block_n=16, reduce_each=reduce_each)
+            name = f"window scores b{b} hkv{hkv} g{group} w{w} t{t} reduce_each={reduce_each}"
+            check(name, got, want)
     q = torch.randn(1, 4, 6, 16, generator=gen)
     k = torch.randn(1, 2, 40, 16, generator=gen)
     pos = torch.tensor([0, 3, 10, 20, 39, 39])
     want, _ = window_scores_reference(q, k, query_positions=pos)
-    check(
-        "window scores custom positions",
-        window_scores.window_scores(q, k, query_positions=pos, block_m=16, block_n=16),
-        want,
-    )
+    for reduce_each in (False, True):
+        check(
+            f"window scores custom positions reduce_each={reduce_each}",
+            window_scores.window_scores(
+                q, k, query_positions=pos, block_m=16, block_n=16, reduce_each=reduce_each
+            ),
+            want,
+        )
 
 
 def check_moves() -> None:
