@@ -21,6 +21,7 @@ import torch
 
 from connectors.kv_layout import PageLayout
 from lmcompact.attention.scores import window_scores
+from lmcompact.kernels import dispatch as kernels
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
 from lmcompact.store import ChunkKey, CompactedChunk
@@ -81,16 +82,32 @@ def observe_layer(
     start: int,
     needs: Need,
     scale: float,
+    kernel_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Window mass ``(H, T)`` and rows ``(H, W, T)`` of one layer, as far as ``needs`` asks."""
+    """Window mass ``(H, T)`` and rows ``(H, W, T)`` of one layer, as far as ``needs`` asks.
+
+    Keys on CUDA and no per-query rows asked: the Triton kernel
+    (:func:`lmcompact.kernels.dispatch.window_scores`) in ``kernel_dtype`` (the cache dtype,
+    so the cast is exact; default the keys' dtype). Otherwise the torch reference, in float32.
+    """
     if not needs & SCORE_NEEDS or queries is None or queries.shape[0] == 0:
         return None, None
     assert query_positions is not None
-    q = queries.permute(1, 0, 2).unsqueeze(0)  # (1, Hq, W, D)
+    q = queries.to(keys.device).permute(1, 0, 2).unsqueeze(0)  # (1, Hq, W, D)
+    positions = query_positions.to(keys.device) - start
+    if not needs & Need.WINDOW_ATTENTION and kernels.use_kernels(keys.device):
+        dtype = kernel_dtype or keys.dtype
+        mass = kernels.window_scores(
+            q.to(dtype).contiguous(),
+            keys.unsqueeze(0).to(dtype),
+            query_positions=positions,
+            scale=scale,
+        )
+        return mass[0], None
     mass, rows = window_scores(
         q,
         keys.unsqueeze(0),
-        query_positions=query_positions - start,
+        query_positions=positions,
         scale=scale,
         chunk_size=1024,
         return_attention=bool(needs & Need.WINDOW_ATTENTION),

@@ -188,11 +188,13 @@ def validate_against_engine(
     num_kv_heads: int,
     head_dim: int,
     prefix_caching: bool,
+    per_head_counts: bool = False,
 ) -> None:
     """Checks that need the engine: ValueError with the bad value and what is allowed.
 
     A compacting policy must (1) keep the same number of tokens in every (layer, head),
-    because attention skips one block-aligned hole per request, (2) need only inputs the
+    because attention skips one block-aligned hole per request (unless ``per_head_counts``:
+    the memory connector's ``per_head`` option pads and masks), (2) need only inputs the
     connector captures, and (3) run with vLLM prefix caching off, because vLLM would
     otherwise hash the packed (compacted) blocks as if they held the full prefix.
     """
@@ -218,6 +220,8 @@ def validate_against_engine(
             "capture (it sees the observation window's queries and the keys/values); "
             "allowed: policies needing KEYS, WINDOW_SCORES or WINDOW_ATTENTION"
         )
+    if per_head_counts:
+        return
     kept = config.kept_per_chunk(block_size)
     plan = policy.plan(probe_inputs(config, policy, num_layers, num_kv_heads, head_dim, kept))
     counts = plan.kept_counts()
@@ -228,7 +232,8 @@ def validate_against_engine(
             f"{kept} per chunk); the "
             "vLLM connector needs the same count everywhere (attention skips one "
             "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
-            "knorm, tova, random"
+            "knorm, tova, random; per-head policies run with LMCompactMemoryConnector's "
+            'memory option "per_head"'
         )
 
 

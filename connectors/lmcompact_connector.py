@@ -54,6 +54,9 @@ def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNa
 class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     """KV-cache compaction connector (scheduler and worker roles)."""
 
+    per_head_counts = False
+    """Subclasses that mask per-head padding accept policies whose counts differ per head."""
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_extra(shim.transfer_extra_config(vllm_config))
@@ -65,6 +68,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
             num_kv_heads=self.facts.num_kv_heads,
             head_dim=self.facts.head_dim,
             prefix_caching=self.facts.prefix_caching,
+            per_head_counts=self.per_head_counts,
         )
         self.namespace = build_namespace(self.config, self.facts)
         self.store: TieredStore = STORES.acquire(self.namespace, self.config.store_config())

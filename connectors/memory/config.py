@@ -9,6 +9,10 @@ Example ``--kv-transfer-config``::
          "policy": "snapkv", "budget": 0.25, "save": false, "load": false,
          "memory": {"prefill": "auto", "decode_budget_tokens": 512}}}
 
+With ``"per_head": {"slack": 1.5}`` in ``"memory"``, policies that keep different numbers of
+tokens per (layer, head) (``adakv``, ``pyramidkv``, ``duoattention``) keep their own counts:
+see :mod:`connectors.memory.perhead_attention`.
+
 Every other key is the base connector's (:class:`connectors.config.ConnectorConfig`); its
 ``policy`` and ``budget`` also drive the in-place compaction of fresh prefills.
 """
@@ -40,12 +44,16 @@ class MemoryConfig:
             multiple of the block size; None leaves generation unbounded.
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
+        per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
+            in ``pack`` mode: every head reserves ``ceil(kept_blocks * s)`` blocks, counts
+            are clipped to that; None (default) gives every head the same count.
     """
 
     prefill: str = "auto"
     decode_budget_tokens: int | None = None
     sink_blocks: int = 1
     min_prompt_tokens: int = 0
+    per_head: Mapping[str, Any] | None = None
 
     @classmethod
     def from_extra(cls, options: Mapping[str, Any] | None) -> MemoryConfig:
@@ -81,18 +89,39 @@ class MemoryConfig:
             raise ValueError(
                 f"memory.min_prompt_tokens must be an int >= 0, got {self.min_prompt_tokens!r}"
             )
+        self.per_head_slack()  # raises on a bad per_head object
+
+    def per_head_slack(self) -> float | None:
+        """The per-head slack, or None when every head keeps the same count."""
+        if self.per_head is None:
+            return None
+        if not isinstance(self.per_head, Mapping) or set(self.per_head) - {"slack"}:
+            raise ValueError(
+                f'memory.per_head must be an object like {{"slack": 1.5}}, got {self.per_head!r}'
+            )
+        slack = self.per_head.get("slack", 1.5)
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
+            raise ValueError(f"memory.per_head.slack must be a number >= 1, got {slack!r}")
+        return float(slack)
 
     def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
         """The prefill mode for the base connector's policy."""
         if self.prefill == "auto":
             if not compacts:
-                return PrefillMode.OFF
-            return PrefillMode.BLOCKS if policy == "streaming_llm" else PrefillMode.PACK
-        mode = PrefillMode(self.prefill)
-        if mode is not PrefillMode.OFF and not compacts:
+                mode = PrefillMode.OFF
+            else:
+                mode = PrefillMode.BLOCKS if policy == "streaming_llm" else PrefillMode.PACK
+        else:
+            mode = PrefillMode(self.prefill)
+            if mode is not PrefillMode.OFF and not compacts:
+                raise ValueError(
+                    f"memory.prefill={self.prefill!r} needs a compacting policy and a "
+                    f"budget < 1, got policy {policy!r}"
+                )
+        if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(
-                f"memory.prefill={self.prefill!r} needs a compacting policy and a "
-                f"budget < 1, got policy {policy!r}"
+                f"memory.per_head needs prefill mode 'pack' (per-head counts are packed), "
+                f"got {mode.value!r} for policy {policy!r}"
             )
         return mode
 

@@ -14,7 +14,10 @@ Load it with::
 On top of :class:`connectors.lmcompact_connector.LMCompactConnector` (store save/load,
 hole skipping in attention), it compacts every fresh prompt in place when its prefill ends
 and returns the dropped blocks to vLLM's pool, grows holes during long generations to keep a
-request within a token budget, and returns the hole blocks of packed store loads.
+request within a token budget, and returns the hole blocks of packed store loads. With
+``"per_head": {"slack": 1.5}`` each (layer, head) keeps the policy's own count (Ada-KV,
+PyramidKV, DuoAttention) and attention masks the padding:
+:mod:`connectors.memory.perhead_attention`.
 Options: :class:`connectors.memory.config.MemoryConfig`.
 """
 
@@ -30,6 +33,7 @@ from connectors import vllm_shim as shim
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
 from connectors.memory.packing import WindowQueries, pack_in_place
+from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
 from connectors.memory.planner import HolePlanner
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
@@ -38,11 +42,15 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryMetadata(LMCompactMetadata):
-    """The base step metadata plus this step's in-place packs."""
+    """The base step metadata plus this step's in-place packs and the requests whose
+    blocks vLLM took back since the last step (the worker drops their per-head counts)."""
 
-    def __init__(self, step: StepMetadata, packs: list[PackJob]) -> None:
+    def __init__(
+        self, step: StepMetadata, packs: list[PackJob], forgotten: set[str] | None = None
+    ) -> None:
         super().__init__(step)
         self.packs = packs
+        self.forgotten = forgotten or set()
 
 
 class LMCompactMemoryConnector(LMCompactConnector):
@@ -52,6 +60,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         transfer = vllm_config.kv_transfer_config
         original = dict(transfer.kv_connector_extra_config or {})
         base_extra, self.memory = split_extra(original)
+        self.per_head_counts = self.memory.per_head is not None
         transfer.kv_connector_extra_config = base_extra
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -65,7 +74,9 @@ class LMCompactMemoryConnector(LMCompactConnector):
             sink_blocks=self.memory.sink_blocks,
             decode_budget_blocks=self.memory.decode_budget_blocks(bs),
             min_prompt_blocks=max(2, self.memory.min_prompt_tokens // bs),
+            per_head_slack=self.memory.per_head_slack(),
         )
+        self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
         if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
             logger.info(
                 "decode budget with prefix caching on: shared or cached blocks in a "
@@ -123,9 +134,19 @@ class LMCompactMemoryConnector(LMCompactConnector):
             # holes, captures and loads must be in place before the forward pass; vLLM
             # otherwise starts connector loads after it
             scheduler_output.has_sync_kv_loads = True
-        return MemoryMetadata(step, packs)
+        return MemoryMetadata(step, packs, self._memory().take_forgotten())
 
     # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.planner.per_head_slack is not None:
+            self.perhead = make_perhead_attention(self._worker())
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.perhead is not None and isinstance(connector_metadata, MemoryMetadata):
+            self.perhead.begin_step(connector_metadata.step.holes, connector_metadata.forgotten)
+
     def wait_for_save(self) -> None:
         meta = self._connector_metadata if self.has_connector_metadata() else None
         packs = meta.packs if isinstance(meta, MemoryMetadata) else []
@@ -135,7 +156,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         layers = list(worker.kv_caches.values())
         for job in packs:
             began = time.perf_counter()
-            pack_in_place(
+            chosen = pack_in_place(
                 layers,
                 worker.layout,
                 job.block_ids,
@@ -143,7 +164,11 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 job.kept,
                 self._policy,
                 windows[job.req_id],
+                reserved=None if self.perhead is None else job.reserved,
             )
+            if self.perhead is not None:
+                counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
+                self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
             worker._captured.pop(job.req_id, None)
             worker._captured_pos.pop(job.req_id, None)
             self.pack_stats["packs"] += 1

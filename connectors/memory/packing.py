@@ -12,6 +12,11 @@ order; slots hold post-RoPE keys, so which original token lands in which slot do
 matter to attention. All of a layer's K/V are read (a copy) before anything is written, so
 a packed write never overwrites a token still to be read.
 
+With per-head counts (``reserved`` given), each (layer, head) keeps the policy's own count,
+clipped to ``reserved`` slots, packed first and zero-padded up to ``reserved``
+(:func:`connectors.memory.perhead.pack_per_head`); attention then masks the padding
+(:mod:`connectors.memory.perhead_attention`).
+
 Engine-free: torch, the page layout and an lmcompact policy.
 """
 
@@ -24,6 +29,7 @@ import torch
 
 from connectors.compaction import observe_layer, uniform_keep
 from connectors.kv_layout import PageLayout
+from connectors.memory.perhead import pack_per_head
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation
 
@@ -48,15 +54,20 @@ def plan_pack(
     policy: CompactionPolicy,
     kept: int,
     window: WindowQueries | None,
+    reserved: int | None = None,
+    kernel_dtype: torch.dtype | None = None,
 ) -> list[list[torch.Tensor]]:
-    """Kept token indices per (layer, head), each exactly ``kept`` long and sorted.
+    """Kept token indices per (layer, head), sorted.
 
     Args:
         per_layer: per layer ``(H, T, D)`` keys and values of the span.
         policy: the compaction policy.
-        kept: tokens each (layer, head) keeps.
+        kept: tokens each (layer, head) keeps (with ``reserved``: the mean asked for).
         window: window queries, or None (score-based policies then see no scores and
             fall back to their score-free behaviour, or raise).
+        reserved: None: every list is exactly ``kept`` long. Else each keeps the policy's
+            own count, clipped to ``[1, reserved]``.
+        kernel_dtype: dtype of the window-score kernel on CUDA (the cache dtype).
     """
     num_tokens = per_layer[0][0].shape[1]
     observations = []
@@ -71,6 +82,7 @@ def plan_pack(
             0,
             policy.needs,
             1.0 if window is None else window.scale,
+            kernel_dtype,
         )
         observations.append(
             LayerObservation(keys=keys, values=values, window_scores=mass, window_attention=rows)
@@ -79,13 +91,24 @@ def plan_pack(
         num_tokens, per_layer[0][0].shape[0], observations, budget_tokens=kept
     )
     plan: KeepPlan = policy.plan(inputs)
-    return [
-        [
-            uniform_keep(plan.kept[layer][head], kept, num_tokens)
-            for head in range(per_layer[0][0].shape[0])
+    heads = range(per_layer[0][0].shape[0])
+    layers = range(len(per_layer))
+    if reserved is None:
+        return [
+            [uniform_keep(plan.kept[layer][head], kept, num_tokens) for head in heads]
+            for layer in layers
         ]
-        for layer in range(len(per_layer))
+    return [
+        [_clip(plan.kept[layer][head], reserved, num_tokens) for head in heads] for layer in layers
     ]
+
+
+def _clip(positions: torch.Tensor, reserved: int, length: int) -> torch.Tensor:
+    """One head's own kept positions, at most ``reserved`` and at least one."""
+    n = positions.numel()
+    if 1 <= n <= reserved:
+        return positions
+    return uniform_keep(positions, reserved if n > reserved else 1, length)
 
 
 def pack_in_place(
@@ -96,6 +119,7 @@ def pack_in_place(
     kept: int,
     policy: CompactionPolicy,
     window: WindowQueries | None = None,
+    reserved: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Pack each (layer, head)'s kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
 
@@ -107,19 +131,27 @@ def pack_in_place(
         kept: tokens kept per (layer, head); a multiple of the block size, < num_tokens.
         policy: chooses the kept tokens.
         window: window queries for score-based policies.
+        reserved: per-head counts: slots each head holds (block aligned, ``kept <=
+            reserved < num_tokens``); each head keeps its own count, zero-padded up to it.
+            None: every head keeps exactly ``kept``.
 
     Returns:
-        The kept indices per (layer, head) (for tests and logs).
+        The kept indices per (layer, head); with ``reserved`` their lengths are the counts
+        attention must use.
     """
     bs = layout.block_size
-    if num_tokens % bs or kept % bs or not 0 < kept < num_tokens:
+    slots = kept if reserved is None else reserved
+    if num_tokens % bs or slots % bs or not 0 < kept <= slots < num_tokens:
         raise ValueError(
-            f"pack needs block-aligned 0 < kept < num_tokens, got kept={kept}, "
-            f"num_tokens={num_tokens}, block_size={bs}"
+            f"pack needs block-aligned 0 < kept <= reserved < num_tokens, got kept={kept}, "
+            f"reserved={reserved}, num_tokens={num_tokens}, block_size={bs}"
         )
     per_layer = [layout.read(kv, block_ids, 0, num_tokens) for kv in kv_layers]
     per_layer = [(k.float(), v.float()) for k, v in per_layer]
-    chosen = plan_pack(per_layer, policy, kept, window)
+    chosen = plan_pack(per_layer, policy, kept, window, reserved, kv_layers[0].dtype)
+    if reserved is not None:
+        pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved, per_layer)
+        return chosen
     for kv, (keys, values), heads in zip(kv_layers, per_layer, chosen, strict=True):
         index = torch.stack(heads).to(keys.device)  # (H, kept)
         gather = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])

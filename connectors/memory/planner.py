@@ -24,6 +24,11 @@ hole, the oldest block after the hole joins it::
 
 So a request holds at most ``budget_blocks`` full blocks plus the one being filled.
 
+Per-head counts (``per_head_slack`` s): the policy's counts differ per (layer, head), but one
+block row serves every head, so the hole starts after ``kr = min(ceil(kb * s), nb - 1)``
+reserved blocks; each head's kept tokens are packed into its first slots and padded to
+``kr * bs`` (see :mod:`connectors.memory.perhead_attention`).
+
 A hole opened at prefill end becomes visible (skipped by attention, released to the pool)
 only from the next step: that step's forward pass still attends to the whole prompt, and a
 pack reads hole blocks after it. The first block is never in a hole: the worker finds a
@@ -32,6 +37,7 @@ request's batch row by it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -75,12 +81,16 @@ class Pack:
     Attributes:
         req_id: request id.
         num_tokens: tokens compacted (whole blocks).
-        kept: tokens every (layer, head) keeps (whole blocks).
+        kept: tokens every (layer, head) keeps (whole blocks); with per-head counts, the
+            mean count the policy is asked for.
+        reserved: slots every head holds (whole blocks; the hole starts there): ``kept``,
+            or more with per-head counts.
     """
 
     req_id: str
     num_tokens: int
     kept: int
+    reserved: int
 
 
 class HolePlanner:
@@ -94,6 +104,9 @@ class HolePlanner:
         decode_budget_blocks: full blocks a request may hold outside its hole once its
             prompt is processed; None leaves generation unbounded.
         min_prompt_blocks: prompts with fewer full blocks are not compacted at prefill end.
+        per_head_slack: ``pack`` mode with per-head counts: blocks reserved per head are
+            ``ceil(kept_blocks * slack)`` (at most all but one); None: every head keeps
+            ``kept_blocks``.
     """
 
     def __init__(
@@ -104,6 +117,7 @@ class HolePlanner:
         sink_blocks: int = 1,
         decode_budget_blocks: int | None = None,
         min_prompt_blocks: int = 2,
+        per_head_slack: float | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -122,7 +136,10 @@ class HolePlanner:
         self.prefill_mode = prefill_mode
         self.budget = budget
         self.sink_blocks = sink_blocks
+        if per_head_slack is not None and per_head_slack < 1.0:
+            raise ValueError(f"per_head_slack must be >= 1, got {per_head_slack}")
         self.decode_budget_blocks = decode_budget_blocks
+        self.per_head_slack = per_head_slack
         self.min_prompt_blocks = max(2, min_prompt_blocks)
         self.holes: dict[str, HoleState] = {}
 
@@ -131,6 +148,14 @@ class HolePlanner:
         """Blocks kept of ``prompt_blocks`` at prefill end (>= sink_blocks, <= all)."""
         kept = max(self.sink_blocks, round(self.budget * prompt_blocks))
         return min(prompt_blocks, kept)
+
+    def reserved_blocks(self, kept_blocks: int, prompt_blocks: int) -> int:
+        """Blocks every head holds after a pack: ``kept_blocks``, or with per-head counts
+        ``ceil(kept_blocks * slack)``, leaving at least one block of hole."""
+        if self.per_head_slack is None:
+            return kept_blocks
+        wanted = math.ceil(kept_blocks * self.per_head_slack - 1e-9)
+        return max(kept_blocks, min(wanted, prompt_blocks - 1))
 
     def prefill_end(self, req_id: str, prompt_len: int, first_block: int, step: int) -> Pack | None:
         """Open the request's hole for the step that completes its prompt.
@@ -147,8 +172,9 @@ class HolePlanner:
         if nb < self.min_prompt_blocks or kb >= nb:
             return None
         if self.prefill_mode is PrefillMode.PACK:
-            self.holes[req_id] = HoleState(first_block, kb, nb - kb, visible_from=step + 1)
-            return Pack(req_id, nb * bs, kb * bs)
+            kr = self.reserved_blocks(kb, nb)
+            self.holes[req_id] = HoleState(first_block, kr, nb - kr, visible_from=step + 1)
+            return Pack(req_id, nb * bs, kb * bs, kr * bs)
         sinks = min(self.sink_blocks, kb)
         recent = kb - sinks
         self.holes[req_id] = HoleState(

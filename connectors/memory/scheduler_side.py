@@ -48,13 +48,15 @@ class PackJob:
         req_id: request id.
         block_ids: the request's block row.
         num_tokens: tokens compacted (whole blocks).
-        kept: tokens each (layer, head) keeps (whole blocks).
+        kept: tokens each (layer, head) keeps (whole blocks); the mean with per-head counts.
+        reserved: slots each head holds, the hole's start (``kept`` unless per-head).
     """
 
     req_id: str
     block_ids: list[int]
     num_tokens: int
     kept: int
+    reserved: int
 
 
 @dataclass
@@ -90,6 +92,7 @@ class MemoryScheduler:
         self.ledger: BlockLedger | None = None
         self.step = 0
         self.live: dict[str, Any] = {}
+        self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
         self.stats = MemoryStats()
 
     # ------------------------------------------------------------------ binding
@@ -153,6 +156,13 @@ class MemoryScheduler:
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
         self.live.pop(req_id, None)
+        self.forgotten.add(req_id)
+
+    def take_forgotten(self) -> set[str]:
+        """Requests whose blocks vLLM took back since the last call (the worker drops their
+        per-head counts before the next forward pass)."""
+        taken, self.forgotten = self.forgotten, set()
+        return taken
 
     def _release(self, req_id: str) -> None:
         hole = self.planner.visible(req_id, self.step)
@@ -196,7 +206,9 @@ class MemoryScheduler:
             if lo < prompt_len <= hi:
                 pack = self.planner.prefill_end(sched.req_id, prompt_len, row[0], step)
                 if pack is not None:
-                    packs.append(PackJob(sched.req_id, row, pack.num_tokens, pack.kept))
+                    packs.append(
+                        PackJob(sched.req_id, row, pack.num_tokens, pack.kept, pack.reserved)
+                    )
                     self.stats.packs += 1
         for req_id in list(self.planner.holes):
             if req_id not in self.live:

@@ -1,0 +1,213 @@
+"""Per-head kept counts in the real vLLM CPU engine (Ada-KV over SnapKV scores).
+
+One engine run: two prompts are packed at prefill end with each (layer, head)'s own count
+(``memory.per_head``), the hole blocks go back to the pool, and generation continues. For
+every decode step of one layer the test keeps vLLM's own attention output (which attends
+to the zero padding), the output after the connector's recompute, the queries and a copy
+of the request's pages. Afterwards, attention computed directly from those pages with each
+head's own count (dense softmax, no paged code) must equal the recomputed rows and differ
+from vLLM's own rows: the comparison can fail either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from connectors.memory.blocks import audit_pool
+from connectors.memory.perhead import masked_decode_attention
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
+from tests.integration.vllm_memory.harness import (
+    BLOCK_SIZE,
+    engine_request_ids,
+    held_blocks,
+    kv_manager,
+    memory_engine,
+    run,
+    scheduler,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = {"a": tiny_prompt_ids(520, seed=21), "b": tiny_prompt_ids(460, seed=22)}
+NEW_TOKENS = 6
+LAYER = 1
+EXTRA = {
+    "policy": "adakv",
+    "budget": 0.25,
+    "window": 16,
+    "save": False,
+    "load": False,
+    "memory": {"prefill": "pack", "per_head": {"slack": 1.5}},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+@dataclass
+class Call:
+    """One recorded attention call of ``LAYER`` for one per-head request."""
+
+    req_id: str
+    queries: torch.Tensor  # (q_len, Hq, D)
+    vllm_out: torch.Tensor  # vLLM's own output rows
+    out: torch.Tensor  # after the connector's recompute
+    pages: torch.Tensor  # copy of the request's hole-skipped pages
+    seq_len: int  # hole-skipped key length
+    counts: torch.Tensor  # (Hkv,)
+    reserved: int
+
+
+class Recorder:
+    """Two observers around the connector's recompute, for one layer."""
+
+    def __init__(self, connector: Any) -> None:
+        self.worker = connector.worker_half
+        self.perhead = connector.perhead
+        self.name = list(self.worker.layers)[LAYER]
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls: list[Call] = []
+
+    def rows(self, metadata: Any) -> list[tuple[int, str]]:
+        firsts = metadata.block_table[: metadata.query_start_loc.numel() - 1, 0].tolist()
+        by_first = {e.first_block: r for r, e in self.perhead.entries.items()}
+        return [(row, by_first[f]) for row, f in enumerate(firsts) if f in by_first]
+
+    def before(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
+        if name != self.name:
+            return
+        starts = metadata.query_start_loc.tolist()
+        for row, req_id in self.rows(metadata):
+            rows = slice(starts[row], starts[row + 1])
+            self.pending[req_id] = (query[rows].clone(), output[rows].clone())
+
+    def after(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
+        if name != self.name:
+            return
+        starts = metadata.query_start_loc.tolist()
+        kv = self.worker.kv_caches[name]
+        for row, req_id in self.rows(metadata):
+            entry = self.perhead.entries[req_id]
+            seq_len = int(metadata.seq_lens[row])
+            blocks = metadata.block_table[row, : -(-seq_len // BLOCK_SIZE)].long()
+            queries, vllm_out = self.pending.pop(req_id)
+            q_len, d = queries.shape[0], self.worker.facts.head_dim
+            self.calls.append(
+                Call(
+                    req_id,
+                    queries.view(q_len, -1, d),
+                    vllm_out.view(q_len, -1, d),
+                    output[starts[row] : starts[row + 1]].clone().view(q_len, -1, d),
+                    kv[blocks].clone(),
+                    seq_len,
+                    entry.counts[LAYER].clone(),
+                    entry.reserved,
+                )
+            )
+
+
+def dense_reference(call: Call, layout: Any, scale: float) -> torch.Tensor:
+    """Each kv head attends to its own ``count`` packed keys plus the causal tail."""
+    n_blocks = call.pages.shape[0]
+    keys, values = layout.read(call.pages, list(range(n_blocks)), 0, call.seq_len)
+    q_len, hq, _ = call.queries.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
+    out = torch.zeros_like(call.queries)
+    for h in range(hkv):
+        for i in range(q_len):
+            last = call.seq_len - q_len + i + 1
+            index = torch.cat(
+                [torch.arange(int(call.counts[h])), torch.arange(call.reserved, last)]
+            )
+            k, v = keys[h, index].double(), values[h, index].double()
+            for g in range(group):
+                weights = torch.softmax(call.queries[i, h * group + g].double() @ k.T * scale, -1)
+                out[i, h * group + g] = (weights @ v).to(out.dtype)
+    return out
+
+
+def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: str) -> None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    with memory_engine(tiny_model, EXTRA, num_blocks=64, max_num_batched_tokens=1024) as llm:
+        manager = kv_manager(llm)
+        start_free = manager.block_pool.get_num_free_blocks()
+        connector = get_kv_transfer_group()
+        assert connector.perhead is not None
+        recorder = Recorder(connector)
+        connector.worker_half.observers.insert(0, recorder.before)
+        connector.worker_half.observers.append(recorder.after)
+        memory = scheduler(llm).connector.memory_scheduler
+        held: dict[str, list[tuple[int, int, int]]] = {r: [] for r in PROMPTS}
+        counts: dict[str, torch.Tensor] = {}
+
+        def watch(step: int, outputs: list[Any]) -> None:
+            assert audit_pool(manager).ok
+            for rid, engine_id in engine_request_ids(llm).items():
+                hole = memory.planner.holes.get(engine_id)
+                entry = connector.perhead.entries.get(engine_id)
+                if hole is not None and entry is not None:
+                    counts[rid] = entry.counts.clone()
+                    assert hole.start * BLOCK_SIZE == entry.reserved  # scheduler == worker
+                    held[rid].append((held_blocks(llm, engine_id), hole.start, hole.length))
+
+        tokens = run(llm, PROMPTS, NEW_TOKENS, watch)
+        scale = float(connector.worker_half.layers[recorder.name].impl.scale)
+        layout = connector.worker_half.layout
+        stats = dict(connector.perhead.stats)
+        released = memory.stats.blocks_released
+        end_free = manager.block_pool.get_num_free_blocks()
+        final = audit_pool(manager)
+
+    assert {r: len(t) for r, t in tokens.items()} == {r: NEW_TOKENS for r in PROMPTS}
+    assert end_free == start_free and final.ok and final.referenced == 0
+    for rid, prompt in PROMPTS.items():
+        full_blocks = len(prompt) // BLOCK_SIZE
+        kept_blocks = max(1, round(0.25 * full_blocks))
+        reserved_blocks = math.ceil(kept_blocks * 1.5)
+        c = counts[rid]
+        # counts differ per (layer, head), never exceed the reservation, average <= budget
+        assert c.unique().numel() > 1 and int(c.max()) <= reserved_blocks * BLOCK_SIZE
+        assert float(c.float().mean()) <= kept_blocks * BLOCK_SIZE + 1e-6
+        # sampled after each step; the hole's blocks go back from the step after the pack
+        assert len(held[rid]) >= 2, f"{rid} never decoded with a visible hole"
+        assert held[rid][0][0] == -(-(len(prompt) + 1) // BLOCK_SIZE)
+        tail_blocks = -(-(len(prompt) + NEW_TOKENS) // BLOCK_SIZE) - full_blocks
+        for blocks, start, length in held[rid][1:]:
+            assert start == reserved_blocks and length == full_blocks - reserved_blocks
+            assert blocks <= reserved_blocks + tail_blocks  # the hole's blocks went back
+    assert released == sum(
+        len(p) // BLOCK_SIZE - math.ceil(max(1, round(0.25 * (len(p) // BLOCK_SIZE))) * 1.5)
+        for p in PROMPTS.values()
+    )
+
+    calls = recorder.calls
+    assert len({c.req_id for c in calls}) == 2 and len(calls) >= 2 * (NEW_TOKENS - 1)
+    assert stats["calls"] >= len(calls) and stats["requests"] == 2
+    gap_vllm = 0.0
+    for call in calls:
+        want = dense_reference(call, layout, scale)
+        torch.testing.assert_close(call.out, want, rtol=1e-4, atol=1e-5)
+        paged = masked_decode_attention(
+            call.queries,
+            call.pages,
+            layout,
+            list(range(call.pages.shape[0])),
+            call.counts,
+            call.reserved,
+            call.seq_len,
+            scale,
+            k_max=call.reserved,
+        )
+        torch.testing.assert_close(call.out, paged, rtol=1e-4, atol=1e-5)
+        gap_vllm = max(gap_vllm, float((call.vllm_out - want).abs().max()))
+    # vLLM's own rows attend to the zero padding: the recompute changed them
+    assert gap_vllm > 1e-3
