@@ -83,7 +83,12 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 "hole stay held until the request ends"
             )
         self.memory_scheduler: MemoryScheduler | None = None
-        self.pack_stats: dict[str, float] = {"packs": 0, "tokens": 0, "seconds": 0.0}
+        self.pack_stats: dict[str, float] = {
+            "packs": 0,
+            "tokens": 0,
+            "seconds": 0.0,
+            "unscored": 0,
+        }
         self._policy = self.config.make_policy()
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
@@ -156,6 +161,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
         layers = list(worker.kv_caches.values())
         for job in packs:
             began = time.perf_counter()
+            if windows[job.req_id] is None and needs_scores(self._policy):
+                # the policy then falls back to its score-free choice: count it, never hide it
+                self.pack_stats["unscored"] += 1
+                logger.warning(
+                    "pack of %s without window queries: %s chose without attention scores",
+                    job.req_id,
+                    self.config.policy,
+                )
             chosen = pack_in_place(
                 layers,
                 worker.layout,

@@ -191,6 +191,7 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
         worker: Any = get_kv_transfer_group()  # in-process: the worker-side connector
         memory_stats["pack_seconds"] = float(worker.pack_stats["seconds"])
         memory_stats["packed_tokens"] = int(worker.pack_stats["tokens"])
+        memory_stats["unscored_packs"] = int(worker.pack_stats["unscored"])
     engine.engine_core.shutdown()
 
     correct = sum(answers[r] in texts.get(r, "") for r in answers)

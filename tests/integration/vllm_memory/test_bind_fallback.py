@@ -35,6 +35,11 @@ def test_pool_only_binding_releases_blocks(tmp_path_factory: pytest.TempPathFact
         assert set(tokens) == set(PROMPTS)
         assert memory.stats.packs == len(PROMPTS)
         assert memory.stats.blocks_released > 0
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()  # in-process: the worker-side connector
+        assert worker.pack_stats["packs"] == len(PROMPTS)
+        assert worker.pack_stats["unscored"] == 0  # SnapKV saw its window queries
         final = audit_pool(manager)
         assert final.ok and final.referenced == 0
         assert manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
