@@ -119,6 +119,12 @@ def _run_child(
             f"capacity run {name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
         )
     result: dict[str, Any] = json.loads(out.read_text())
+    # the connector's own warnings (e.g. packs without window queries) travel with the figures
+    result["connector_warnings"] = [
+        line.strip()
+        for line in proc.stderr.splitlines()
+        if "WARNING" in line and ("connectors." in line or "lmcompact" in line)
+    ][:20]
     return result
 
 
