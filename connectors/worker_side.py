@@ -71,6 +71,8 @@ class WorkerHalf:
             "compact_s": 0.0,
             "compact_tokens": 0,
             "save_errors": 0,
+            "capture_specs": 0,  # window captures asked for / found in the batch
+            "captures_found": 0,
         }
 
     # ------------------------------------------------------------------ set-up
@@ -144,7 +146,15 @@ class WorkerHalf:
     def _find_capture_rows(
         self, meta: StepMetadata, per_layer: dict[str, Any]
     ) -> dict[str, torch.Tensor]:
-        if not meta.captures or not per_layer:
+        if not meta.captures:
+            return {}
+        self.stats["capture_specs"] += len(meta.captures)
+        if not per_layer:
+            logger.warning(
+                "%d window captures asked for, but the forward context has no attention "
+                "metadata yet",
+                len(meta.captures),
+            )
             return {}
         slots = shim.slot_mapping(next(iter(per_layer.values()))).to("cpu", torch.int64)
         rows: dict[str, torch.Tensor] = {}
@@ -160,6 +170,7 @@ class WorkerHalf:
                 )
                 continue
             rows[spec.req_id] = found
+            self.stats["captures_found"] += 1
             self._captured.setdefault(spec.req_id, [[] for _ in self.layers])
             self._captured_pos.setdefault(spec.req_id, []).extend(spec.positions)
         return rows

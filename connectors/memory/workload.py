@@ -192,6 +192,8 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
         memory_stats["pack_seconds"] = float(worker.pack_stats["seconds"])
         memory_stats["packed_tokens"] = int(worker.pack_stats["tokens"])
         memory_stats["unscored_packs"] = int(worker.pack_stats["unscored"])
+        memory_stats["capture_specs"] = int(worker.worker_half.stats["capture_specs"])
+        memory_stats["captures_found"] = int(worker.worker_half.stats["captures_found"])
     engine.engine_core.shutdown()
 
     correct = sum(answers[r] in texts.get(r, "") for r in answers)
