@@ -114,7 +114,7 @@ class PerHeadAttention:
     def add(self, req_id: str, first_block: int, counts: torch.Tensor, reserved: int) -> None:
         """Remember a request packed with ``counts`` ``(L, Hkv)`` in ``reserved`` slots."""
         counts = counts.to("cpu", torch.int64)
-        if counts.shape != (len(self.layer_index), counts.shape[1]) or counts.dim() != 2:
+        if counts.dim() != 2 or counts.shape[0] != len(self.layer_index):
             raise ValueError(
                 f"counts must be (layers={len(self.layer_index)}, kv_heads), "
                 f"got {tuple(counts.shape)}"

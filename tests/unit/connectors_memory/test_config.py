@@ -53,3 +53,30 @@ def test_mode_and_budget_checks_against_engine() -> None:
     assert MemoryConfig(decode_budget_tokens=128).decode_budget_blocks(32) == 4
     with pytest.raises(ValueError, match="must be an object"):
         split_extra({"memory": 3})
+
+
+def test_per_head_option() -> None:
+    assert MemoryConfig().per_head_slack() is None
+    config = MemoryConfig.from_extra({"per_head": {"slack": 2}})
+    assert config.per_head_slack() == 2.0
+    assert MemoryConfig.from_extra({"per_head": {}}).per_head_slack() == 1.5
+    assert config.prefill_mode("adakv", True) is PrefillMode.PACK
+    with pytest.raises(ValueError, match="needs prefill mode 'pack'"):
+        config.prefill_mode("streaming_llm", True)  # auto picks blocks for streaming_llm
+    with pytest.raises(ValueError, match="needs prefill mode 'pack'"):
+        MemoryConfig.from_extra({"per_head": {}, "prefill": "off"}).prefill_mode("adakv", True)
+
+
+@pytest.mark.parametrize(
+    ("per_head", "match"),
+    [
+        ({"slack": 0.5}, "slack must be a number >= 1"),
+        ({"slack": True}, "slack must be a number >= 1"),
+        ({"slack": "2"}, "slack must be a number >= 1"),
+        ({"pad": 1}, "like"),
+        (1.5, "like"),
+    ],
+)
+def test_bad_per_head_raises(per_head: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MemoryConfig.from_extra({"per_head": per_head})

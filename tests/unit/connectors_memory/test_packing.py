@@ -71,3 +71,60 @@ def test_unaligned_or_empty_packs_raise(num_tokens: int, kept: int) -> None:
             kept,
             make_policy("streaming_llm", budget=8),
         )
+
+
+@pytest.mark.parametrize("layout_name", ["head_major_kt", "token_major"])
+def test_per_head_pack_keeps_own_counts_padded_with_zeros(layout_name: str) -> None:
+    """PyramidKV gives layers different counts; each is packed first, zeros up to reserved."""
+    layout = make_layout(layout_name, BS)
+    layers = [paged(12, 4), paged(12, 5), paged(12, 6)]
+    row = [9, 3, 5, 0, 11, 2, 7, 1, 4]  # 8 full blocks compacted, block 8 tail
+    before = [layout.read(kv, row, 0, 9 * BS) for kv in layers]
+    gen = torch.Generator().manual_seed(0)
+    window = WindowQueries(
+        [torch.randn(4, H, D, generator=gen) for _ in layers],
+        torch.arange(8 * BS - 4, 8 * BS),
+        scale=0.5,
+    )
+    policy = make_policy("pyramidkv", budget=BS, window_size=4, kernel_size=1)
+    kept, reserved = 2 * BS, 3 * BS
+    chosen = pack_in_place(layers, layout, row, 8 * BS, kept, policy, window, reserved=reserved)
+    counts = torch.tensor([[k.numel() for k in heads] for heads in chosen])
+    assert counts.unique().numel() > 1  # the layers really differ
+    assert int(counts.min()) >= 1 and int(counts.max()) <= reserved
+    for layer, kv in enumerate(layers):
+        keys, values = layout.read(kv, row, 0, 9 * BS)
+        old_keys, old_values = before[layer]
+        for head in range(H):
+            index = chosen[layer][head]
+            n = index.numel()
+            assert torch.equal(keys[head, :n], old_keys[head, index])
+            assert torch.equal(values[head, :n], old_values[head, index])
+            assert not keys[head, n:reserved].any() and not values[head, n:reserved].any()
+        assert torch.equal(keys[:, reserved:], old_keys[:, reserved:])  # hole and tail
+
+
+def test_per_head_pack_clips_counts_to_reserved() -> None:
+    """Ada-KV gives the flat-attention head most of the budget; it is clipped to reserved."""
+    layout = make_layout("head_major_kt", BS)
+    kv = paged(8, 7)
+    row = [0, 1, 2, 3, 4, 5]
+    keys, values = layout.read(kv, row, 0, 4 * BS)
+    keys[1, 5] = torch.tensor([10.0, 0.0, 0.0, 0.0])  # head 1's window looks at token 5 only
+    layout.write(kv, row, 0, keys, values)
+    queries = torch.zeros(4, H, D)  # head 0: flat attention
+    queries[:, 1, 0] = 3.0
+    window = WindowQueries([queries], torch.arange(4 * BS - 4, 4 * BS), 1.0)
+    policy = make_policy(
+        "adakv",
+        budget=BS,
+        alpha_safeguard=0.0,
+        scorer_params={"window_size": 4, "kernel_size": 1},
+    )
+    free = pack_in_place([kv.clone()], layout, row, 4 * BS, BS, policy, window, reserved=3 * BS)
+    assert free[0][0].numel() > BS > free[0][1].numel()  # unclipped: head 0 takes more
+    chosen = pack_in_place([kv], layout, row, 4 * BS, BS, policy, window, reserved=BS)
+    assert chosen[0][0].numel() == BS and chosen[0][1].numel() == free[0][1].numel()
+    assert 5 in chosen[0][1].tolist()
+    with pytest.raises(ValueError, match="reserved"):
+        pack_in_place([kv], layout, row, 4 * BS, 2 * BS, policy, window, reserved=BS)

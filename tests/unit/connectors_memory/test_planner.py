@@ -21,6 +21,33 @@ def test_pack_opens_hole_after_kept_blocks_visible_next_step() -> None:
     assert planner.prefill_end("r", 16 * BS + 5, 7, 9) is None  # once per request
 
 
+def test_uniform_pack_reserves_exactly_the_kept_blocks() -> None:
+    planner = HolePlanner(BS, PrefillMode.PACK, budget=0.25)
+    pack = planner.prefill_end("r", 16 * BS, first_block=7, step=0)
+    assert pack is not None and pack.reserved == pack.kept == 4 * BS
+
+
+@pytest.mark.parametrize(
+    ("prompt_blocks", "budget", "slack", "kept", "reserved"),
+    [
+        (16, 0.25, 1.5, 4, 6),  # ceil(4 * 1.5) = 6
+        (16, 0.25, 1.3, 4, 6),  # ceil(5.2) = 6
+        (16, 0.25, 1.0, 4, 4),  # no slack: uniform footprint
+        (16, 0.75, 1.5, 12, 15),  # ceil(18) clipped: at least one block of hole
+        (10, 0.5, 1.2, 5, 6),
+    ],
+)
+def test_per_head_pack_reserves_slack_blocks(
+    prompt_blocks: int, budget: float, slack: float, kept: int, reserved: int
+) -> None:
+    planner = HolePlanner(BS, PrefillMode.PACK, budget=budget, per_head_slack=slack)
+    pack = planner.prefill_end("r", prompt_blocks * BS + 3, first_block=2, step=0)
+    assert pack is not None
+    assert (pack.kept, pack.reserved) == (kept * BS, reserved * BS)
+    hole = planner.visible("r", 1)
+    assert hole is not None and (hole.start, hole.stop) == (reserved, prompt_blocks)
+
+
 def test_blocks_mode_keeps_sinks_and_recent_blocks_without_pack() -> None:
     planner = HolePlanner(BS, PrefillMode.BLOCKS, budget=0.5, sink_blocks=1)
     assert planner.prefill_end("r", 9 * BS + 12, first_block=3, step=0) is None
@@ -70,6 +97,7 @@ def test_adopted_holes_are_never_grown() -> None:
         ({"budget": 1.5}, "budget"),
         ({"sink_blocks": 0}, "sink_blocks"),
         ({"decode_budget_blocks": 1}, "decode_budget_blocks"),
+        ({"per_head_slack": 0.9}, "per_head_slack"),
     ],
 )
 def test_bad_settings_raise(kwargs: dict, match: str) -> None:
