@@ -58,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[0.5],
         help="needle depths in [0,1]; several = several needles per prompt",
     )
+    parser.add_argument(
+        "--haystack",
+        choices=["passkey", "pydoc"],
+        default="passkey",
+        help="needle haystack: the classic passkey-retrieval filler (default) or Python's "
+        "pydoc text",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=["plain", "chat"],
+        default="plain",
+        help="needle prompt as plain text (default) or in the model's chat template",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--compare",
@@ -100,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens,
             ppl_tokens=args.ppl_tokens,
             depths=args.depths,
+            haystack=args.haystack,
+            prompt_format=args.prompt_format,
             seed=args.seed,
         )
     except ValueError as error:

@@ -40,9 +40,20 @@ class EvalConfig:
     new_tokens: int = 24
     ppl_tokens: int = 128
     depths: list[float] = field(default_factory=lambda: [0.5])
+    haystack: str = "passkey"
+    prompt_format: str = "plain"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.haystack not in tasks.HAYSTACKS:
+            raise ValueError(
+                f"unknown haystack {self.haystack!r}; allowed: {', '.join(tasks.HAYSTACKS)}"
+            )
+        if self.prompt_format not in tasks.PROMPT_FORMATS:
+            raise ValueError(
+                f"unknown prompt format {self.prompt_format!r}; allowed: "
+                f"{', '.join(tasks.PROMPT_FORMATS)}"
+            )
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ValueError(f"unknown tasks {bad or self.tasks}; allowed: {', '.join(TASKS)}")
@@ -79,7 +90,13 @@ def build_samples(tokenizer: Any, config: EvalConfig) -> list[Sample]:
         for index in range(config.samples):
             seed = config.seed * 1000 + index
             needle = tasks.build_needle_prompt(
-                tokenizer, text_stream(seed), context, seed, depths=config.depths
+                tokenizer,
+                context,
+                seed,
+                depths=config.depths,
+                haystack=config.haystack,
+                prompt_format=config.prompt_format,
+                text=text_stream(seed) if config.haystack == "pydoc" else None,
             )
             ppl_ids = tokenizer(text_stream(seed, skip=200), add_special_tokens=False)["input_ids"]
             need = context + config.ppl_tokens

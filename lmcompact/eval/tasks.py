@@ -1,10 +1,26 @@
 """Task construction and scoring, model-free: needles, agreement, perplexity.
 
 needle
-    A haystack of ``context`` tokens with ``num_needles`` sentences such as
-    "The secret passkey of the blue door is 48213." inserted at given depths;
-    the question asks for one of them. Scored 1.0 when the first number the
-    model produces equals the passkey.
+    Passkey retrieval: a prompt of ``context`` tokens hides one or more
+    passkey sentences at given depths and asks for one of them. Scored 1.0 when
+    the first number the model produces equals the passkey. Two haystacks:
+
+    ``passkey`` (default)
+        The passkey-retrieval prompt of Mohtashami & Jaggi, "Landmark Attention:
+        Random-Access Infinite Context Length for Transformers" (2023,
+        arXiv:2305.16300, Section 4.2 and the ``run_test.py`` prompt of their
+        code): a task description, the filler "The grass is green. The sky is
+        blue. The sun is yellow. Here we go. There and back again." repeated,
+        "The pass key is NNNNN. Remember it. NNNNN is the pass key." between two
+        filler sentences, and "What is the pass key? The pass key is".
+    ``pydoc``
+        Python's ``pydoc_data`` text as haystack with sentences "The secret
+        passkey of the <color> door is NNNNN. Remember it." cut in anywhere.
+
+    The prompt is plain text by default; ``prompt_format="chat"`` wraps it in
+    the tokenizer's chat template (user turn, then the answer prefix as the
+    start of the assistant turn). SmolLM2-135M-Instruct retrieves with the
+    full cache at 4k tokens only in plain form (docs/eval/RESULTS.md).
 agreement
     Greedy tokens under the compacted cache vs the full cache: token accuracy
     (position-wise equality over the N new tokens) and first divergence.
@@ -22,18 +38,57 @@ from dataclasses import dataclass
 from typing import Any
 
 COLORS = ("blue", "red", "green", "yellow", "white", "black", "silver", "orange")
-ANSWER_PREFIX = "The secret passkey of the {color} door is"
+HAYSTACKS = ("passkey", "pydoc")
+PROMPT_FORMATS = ("plain", "chat")
+
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and "
+    "memorize them. I will quiz you about the important information there."
+)
+PASSKEY_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 
 
 @dataclass(frozen=True)
 class Needle:
+    """One hidden fact.
+
+    Attributes:
+        color: Names the needle when a prompt holds several (the question names it).
+        passkey: Five digits.
+        depth: Position in the haystack, 0 (start) to 1 (end).
+        labelled: Whether the sentences name the color; a single passkey-haystack
+            needle is unlabelled, as in the original passkey prompt.
+        haystack: Which sentence style (see the module docstring).
+    """
+
     color: str
     passkey: str
     depth: float
+    labelled: bool = True
+    haystack: str = "pydoc"
+
+    @property
+    def _label(self) -> str:
+        return f" of the {self.color} door" if self.labelled else ""
 
     @property
     def sentence(self) -> str:
-        return f"The secret passkey of the {self.color} door is {self.passkey}. Remember it."
+        if self.haystack == "passkey":
+            key, label = self.passkey, self._label
+            return f"The pass key{label} is {key}. Remember it. {key} is the pass key{label}."
+        return f"The secret passkey{self._label} is {self.passkey}. Remember it."
+
+    @property
+    def question(self) -> str:
+        noun = "pass key" if self.haystack == "passkey" else "secret passkey"
+        return f"What is the {noun}{self._label}?"
+
+    @property
+    def answer_prefix(self) -> str:
+        noun = "pass key" if self.haystack == "passkey" else "secret passkey"
+        return f"The {noun}{self._label} is"
 
 
 @dataclass(frozen=True)
@@ -41,7 +96,7 @@ class NeedlePrompt:
     """One needle sample: the prompt ids and what the answer must contain.
 
     Attributes:
-        input_ids: Token ids of the whole prompt (chat template applied).
+        input_ids: Token ids of the whole prompt.
         needles: Every needle inserted (depth in [0, 1] of the haystack).
         target: The needle the question asks about.
     """
@@ -51,29 +106,44 @@ class NeedlePrompt:
     target: Needle
 
 
-def make_needles(seed: int, depths: Sequence[float]) -> tuple[Needle, ...]:
+def make_needles(seed: int, depths: Sequence[float], haystack: str = "pydoc") -> tuple[Needle, ...]:
     """Needles with distinct colors and random 5-digit passkeys, one per depth."""
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"needle depth must be in [0, 1], got {depth}")
     if len(depths) > len(COLORS):
         raise ValueError(f"at most {len(COLORS)} needles per prompt, got {len(depths)}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+    labelled = haystack != "passkey" or len(depths) > 1
     rng = random.Random(seed)
     colors = rng.sample(COLORS, len(depths))
     return tuple(
-        Needle(color=c, passkey=str(rng.randrange(10_000, 100_000)), depth=d)
+        Needle(
+            color=c,
+            passkey=str(rng.randrange(10_000, 100_000)),
+            depth=d,
+            labelled=labelled,
+            haystack=haystack,
+        )
         for c, d in zip(colors, depths, strict=True)
     )
 
 
-def insert_needles(haystack: list[int], needles: Sequence[tuple[float, list[int]]]) -> list[int]:
+def insert_needles(
+    haystack: list[int], needles: Sequence[tuple[float, list[int]]], unit: int = 1
+) -> list[int]:
     """Insert tokenized needle sentences into ``haystack`` ids at fractional depths.
 
     Args:
         haystack: Token ids.
         needles: ``(depth, ids)`` pairs; depth 0 is the start, 1 the end.
+        unit: Cuts snap to multiples of ``unit`` tokens (whole filler sentences).
     """
-    cuts = sorted(((round(d * len(haystack)), ids) for d, ids in needles), key=lambda x: x[0])
+    cuts = sorted(
+        ((min(len(haystack), round(d * len(haystack) / unit) * unit), ids) for d, ids in needles),
+        key=lambda x: x[0],
+    )
     out: list[int] = []
     last = 0
     for cut, ids in cuts:
@@ -84,61 +154,83 @@ def insert_needles(haystack: list[int], needles: Sequence[tuple[float, list[int]
 
 def build_needle_prompt(
     tokenizer: Any,
-    text: str,
     context: int,
     seed: int,
     depths: Sequence[float] = (0.5,),
     ask: int = 0,
+    haystack: str = "passkey",
+    prompt_format: str = "plain",
+    text: str | None = None,
 ) -> NeedlePrompt:
-    """A chat prompt of about ``context`` tokens hiding needles in ``text``.
+    """A prompt of exactly ``context`` tokens hiding needles in a haystack.
 
-    The document is trimmed so the whole prompt (template, question, answer
-    prefix) is ``context`` tokens long; ``ask`` picks which needle is asked for.
+    Args:
+        tokenizer: A transformers tokenizer (``apply_chat_template`` for chat).
+        context: Prompt length in tokens; the haystack is trimmed at its end
+            to fit exactly.
+        seed: Chooses the passkeys and colors.
+        depths: One needle per depth.
+        ask: Which needle the question asks for.
+        haystack: ``"passkey"`` or ``"pydoc"`` (see the module docstring).
+        prompt_format: ``"plain"`` text or ``"chat"`` template.
+        text: Haystack text for ``haystack="pydoc"``; ignored for ``"passkey"``
+            (its filler is fixed).
     """
-    needles = make_needles(seed, depths)
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(
+            f"unknown prompt format {prompt_format!r}; allowed: {', '.join(PROMPT_FORMATS)}"
+        )
+    needles = make_needles(seed, depths, haystack)
     target = needles[ask]
-    question = f"What is the secret passkey of the {target.color} door?"
-    prefix = ANSWER_PREFIX.format(color=target.color)
+    if haystack == "passkey":
+        intro, separator, tail = PASSKEY_INTRO + "\n", "\n", ""
+        unit_ids = list(tokenizer(" " + PASSKEY_FILLER, add_special_tokens=False)["input_ids"])
+        unit = len(unit_ids)
+        source = unit_ids * (context // max(1, unit) + 2)
+    else:
+        if text is None:
+            raise ValueError("the pydoc haystack needs its text")
+        # the haystack is cut mid-word: a space after the needle keeps words apart
+        intro, separator, tail, unit = "", "\n\n", " ", 1
+        source = list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def render(document: str) -> list[int]:
-        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+        body = f"{intro}{document.strip()}{separator}{target.question}"
+        if prompt_format == "chat":
+            messages = [{"role": "user", "content": body}]
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return list(
+                tokenizer(rendered + target.answer_prefix, add_special_tokens=False)["input_ids"]
+            )
+        return list(
+            tokenizer(f"{body} {target.answer_prefix}", add_special_tokens=False)["input_ids"]
         )
-        return list(tokenizer(rendered + prefix, add_special_tokens=False)["input_ids"])
 
-    overhead = len(render("")) + sum(len(tokenizer(" " + n.sentence)["input_ids"]) for n in needles)
+    needle_ids = [
+        (n.depth, list(tokenizer(f" {n.sentence}{tail}", add_special_tokens=False)["input_ids"]))
+        for n in needles
+    ]
+    overhead = len(render("")) + sum(len(ids) for _, ids in needle_ids)
     room = context - overhead
     if room <= 16:
-        raise ValueError(f"context {context} is too short for the template and needles")
-    hay_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"][:room])
-    inserted = insert_needles(
-        hay_ids,
-        [
-            (
-                n.depth,
-                list(tokenizer(" " + n.sentence + " ", add_special_tokens=False)["input_ids"]),
-            )
-            for n in needles
-        ],
-    )
-    document = tokenizer.decode(inserted)
-    ids = render(document)
-    # decode/encode round trips can shift a few tokens; trim the haystack to fit exactly
-    excess = len(ids) - context
-    if excess > 0:
-        hay_ids = hay_ids[: len(hay_ids) - excess]
-        inserted = insert_needles(
-            hay_ids,
-            [
-                (
-                    n.depth,
-                    list(tokenizer(" " + n.sentence + " ", add_special_tokens=False)["input_ids"]),
-                )
-                for n in needles
-            ],
-        )
-        ids = render(tokenizer.decode(inserted))
+        raise ValueError(f"context {context} is too short for the prompt and needles")
+    size = room
+
+    def build(size: int) -> list[int]:
+        return render(tokenizer.decode(insert_needles(source[:size], needle_ids, unit)))
+
+    ids = build(size)
+    # decode/encode round trips (and stripping) shift a few tokens: resize the haystack
+    for _ in range(4):
+        if len(ids) == context:
+            break
+        size += context - len(ids)
+        ids = build(size)
+    while len(ids) > context and size > 0:
+        size -= 1
+        ids = build(size)
     return NeedlePrompt(input_ids=ids, needles=needles, target=target)
 
 

@@ -49,22 +49,67 @@ def test_insert_needles_at_depths() -> None:
     assert [x for x in out if x >= 0] == hay
 
 
-def test_needle_prompt_has_exact_length_and_contains_needles() -> None:
+def test_pydoc_chat_prompt_has_exact_length_and_contains_needles() -> None:
     tok = CharTokenizer()
-    prompt = tasks.build_needle_prompt(tok, text_stream(1), 600, seed=1, depths=(0.2, 0.8), ask=1)
+    prompt = tasks.build_needle_prompt(
+        tok,
+        600,
+        seed=1,
+        depths=(0.2, 0.8),
+        ask=1,
+        haystack="pydoc",
+        prompt_format="chat",
+        text=text_stream(1),
+    )
     assert len(prompt.input_ids) == 600
     text = tok.decode(prompt.input_ids)
     for needle in prompt.needles:
         assert needle.sentence in text
-    assert text.endswith(tasks.ANSWER_PREFIX.format(color=prompt.target.color))
+    color = prompt.target.color
+    assert text.endswith(f"<assistant>The secret passkey of the {color} door is")
+    assert f"What is the secret passkey of the {color} door?</user>" in text
     assert prompt.target is prompt.needles[1]
     # the first needle sits before the second one
     assert text.index(prompt.needles[0].sentence) < text.index(prompt.needles[1].sentence)
 
 
-def test_needle_prompt_rejects_tiny_context() -> None:
+def test_passkey_prompt_is_the_classic_one() -> None:
+    tok = CharTokenizer()
+    prompt = tasks.build_needle_prompt(tok, 1000, seed=2)
+    assert len(prompt.input_ids) == 1000
+    text = tok.decode(prompt.input_ids)
+    key = prompt.target.passkey
+    assert text.startswith(tasks.PASSKEY_INTRO + "\nThe grass is green.")
+    # between two whole filler sentences, as in Mohtashami & Jaggi's prompt
+    needle = f"again. The pass key is {key}. Remember it. {key} is the pass key. The grass"
+    assert needle in text
+    assert text.endswith("\nWhat is the pass key? The pass key is")
+    assert 0.4 < text.index(needle) / len(text) < 0.6
+
+
+def test_passkey_prompt_labels_several_needles() -> None:
+    tok = CharTokenizer()
+    prompt = tasks.build_needle_prompt(tok, 1000, seed=2, depths=(0.1, 0.9), ask=0)
+    text = tok.decode(prompt.input_ids)
+    for needle in prompt.needles:
+        assert f"The pass key of the {needle.color} door is {needle.passkey}." in text
+    assert text.endswith(f"The pass key of the {prompt.target.color} door is")
+
+
+def test_needle_prompt_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="too short"):
-        tasks.build_needle_prompt(CharTokenizer(), text_stream(0), 130, seed=0)
+        tasks.build_needle_prompt(CharTokenizer(), 130, seed=0)
+    with pytest.raises(ValueError, match="prompt format"):
+        tasks.build_needle_prompt(CharTokenizer(), 600, seed=0, prompt_format="xml")
+    with pytest.raises(ValueError, match="haystack"):
+        tasks.build_needle_prompt(CharTokenizer(), 600, seed=0, haystack="bible")
+    with pytest.raises(ValueError, match="needs its text"):
+        tasks.build_needle_prompt(CharTokenizer(), 600, seed=0, haystack="pydoc")
+
+
+def test_insert_needles_snaps_to_units() -> None:
+    out = tasks.insert_needles(list(range(100)), [(0.43, [-1])], unit=10)
+    assert out.index(-1) == 40
 
 
 @pytest.mark.parametrize(
