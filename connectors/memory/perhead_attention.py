@@ -25,8 +25,11 @@ Limits, stated plainly:
 * Memory: vLLM has one block table per request for every layer and head, so a request holds
   ``K_max`` slots for every head, whatever its own count. Per-head counts choose *which*
   tokens each head keeps within a fixed, slightly larger footprint (``slack`` x the uniform
-  budget); they cannot save memory below the largest count. Counts above ``K_max`` are
-  clipped, so the mean kept can fall below the budget.
+  budget); they cannot save memory below the largest count. At equal memory, a uniform
+  policy keeping ``K_max`` per head by the same scores (SnapKV for Ada-KV / PyramidKV) keeps
+  a superset of every head's tokens: this mode reproduces these policies' per-head budgets,
+  it does not beat uniform compaction on memory. Counts above ``K_max`` are clipped (the
+  pack then asks the policy for more, so the mean stays at the budget where it can).
 * Compute: those requests' attention runs twice per layer (vLLM's, then the masked one);
   the recompute also reads ``query_start_loc`` / ``seq_lens`` on the host once per step.
 * Counts live on the worker (they are computed there at pack time) and are dropped when the
