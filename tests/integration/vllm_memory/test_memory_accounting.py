@@ -85,8 +85,14 @@ class Watch:
             "budget": 0.5,
             "memory": {"prefill": "blocks", "decode_budget_tokens": 320},
         },
+        {
+            "policy": "adakv",
+            "budget": 0.25,
+            "window": 16,
+            "memory": {"prefill": "pack", "per_head": {"slack": 1.5}},
+        },
     ],
-    ids=["snapkv-pack", "streaming-blocks-decode"],
+    ids=["snapkv-pack", "streaming-blocks-decode", "adakv-per-head"],
 )
 def test_pool_balanced_after_compaction_aborts_and_preemption(tiny_model: str, extra: dict) -> None:
     extra = {"save": False, "load": False, **extra}
