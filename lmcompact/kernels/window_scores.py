@@ -172,15 +172,19 @@ def _quick_bench(fn: Any, quantiles: Any = None) -> Any:
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-# BLOCK_N stays fixed (the pass-1 partials are laid out per key tile); everything else is
-# tuned once per (shape, power-of-two length) on the GPU at hand
+# BLOCK_N stays fixed (the pass-1 partials are laid out per key tile); the rest is tuned
+# once per (shape, power-of-two length) on the GPU at hand, for sequences of at least
+# TUNE_MIN_TOKENS (shorter ones take the fixed default: tuning would cost more than it saves).
+# The 8 configurations hold the winners of a 24-configuration search on the H200 (BLOCK_M
+# 128 and num_stages 3 never won there; docs/benchmarks/kernels-h200.md).
 TUNED_BLOCK_N = 128
+TUNE_MIN_TOKENS = 4096
+DEFAULT_LAUNCH = {"BLOCK_M": 64, "REDUCE_EACH": False, "num_warps": 4, "num_stages": 2}
 _CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "REDUCE_EACH": reduce}, num_warps=nw, num_stages=ns)
-    for bm in (64, 128)
+    triton.Config({"BLOCK_M": 64, "REDUCE_EACH": reduce}, num_warps=nw, num_stages=ns)
     for reduce in (False, True)
     for nw in (4, 8)
-    for ns in (1, 2, 3)
+    for ns in (1, 2)
 ]
 _tuned_pass_kernel = triton.autotune(
     configs=_CONFIGS,
@@ -211,8 +215,9 @@ def window_scores(
             query ``w`` when ``j <= query_positions[w]``.
         scale: Softmax scale (default ``1 / sqrt(D)``).
         block_m, block_n, num_warps, num_stages, reduce_each: A fixed launch
-            configuration; all None (the default) autotunes the row tile, warps, stages
-            and pass-2 reduction once per shape and power-of-two length.
+            configuration; all None (the default) autotunes warps, stages and the pass-2
+            reduction once per shape and power-of-two length when ``T >=
+            TUNE_MIN_TOKENS``, and takes ``DEFAULT_LAUNCH`` below that.
 
     Returns:
         ``(B, Hkv, T)`` float32: mass summed over window queries, averaged over the
@@ -238,7 +243,7 @@ def window_scores(
     else:
         positions = query_positions.to(device=queries.device, dtype=torch.int32).contiguous()
     fixed = [block_m, block_n, num_warps, num_stages, reduce_each]
-    tuned = all(v is None for v in fixed)
+    tuned = all(v is None for v in fixed) and t >= TUNE_MIN_TOKENS
     bn = TUNED_BLOCK_N if block_n is None else block_n
     n_tiles = triton.cdiv(t, bn)
     part = torch.empty(b, hkv, group * w, n_tiles, dtype=torch.float32, device=queries.device)
@@ -253,12 +258,13 @@ def window_scores(
         kernel: Any = _tuned_pass_kernel
     else:
         kernel = _window_pass_kernel
-        common.update(
-            BLOCK_M=64 if block_m is None else block_m,
-            REDUCE_EACH=bool(reduce_each),
-            num_warps=4 if num_warps is None else num_warps,
-            num_stages=2 if num_stages is None else num_stages,
-        )
+        given = {
+            "BLOCK_M": block_m,
+            "REDUCE_EACH": reduce_each,
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+        }
+        common.update({k: DEFAULT_LAUNCH[k] if v is None else v for k, v in given.items()})
     min_pos = t - w if query_positions is None else -1
     args = (scale * LOG2E, t, w, min_pos, d, *queries.stride()[:3], *keys.stride()[:3])
     grid = (b * hkv, n_tiles)

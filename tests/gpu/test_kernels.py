@@ -137,6 +137,23 @@ def test_window_scores_match_reference(dtype: torch.dtype, group: int, head_dim:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_window_scores_autotuned_long_sequence(dtype: torch.dtype) -> None:
+    """From TUNE_MIN_TOKENS on the autotuned launch runs; every config it tries must agree."""
+    from lmcompact.kernels import window_scores as kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    t = kernel.TUNE_MIN_TOKENS + 1000
+    q = torch.randn(1, 8, 16, 128, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(1, 2, t, 128, device="cuda", generator=gen).to(dtype)
+    want, _ = window_scores_reference(q, k)
+    assert rel_err(dispatch.window_scores(q, k), want) < TOL[dtype]
+    for reduce_each in (False, True):
+        for warps in (4, 8):
+            got = kernel.window_scores(q, k, reduce_each=reduce_each, num_warps=warps, num_stages=1)
+            assert rel_err(got, want) < TOL[dtype], (reduce_each, warps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_window_scores_short_window_and_positions(dtype: torch.dtype) -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(1, 6, 3, 64, device="cuda", generator=gen).to(dtype)
