@@ -53,7 +53,36 @@ class KeepPlan:
                     "every layer must list the same number of heads"
                 )
             for head, positions in enumerate(heads):
-                self._check_positions(layer, head, positions)
+                self._check_shape(layer, head, positions)
+        if not self._all_in_range_and_sorted():
+            # the batched check failed: find and name the offending (layer, head)
+            for layer, heads in enumerate(self.kept):
+                for head, positions in enumerate(heads):
+                    self._check_positions(layer, head, positions)
+
+    def _all_in_range_and_sorted(self) -> bool:
+        """One device sync for every head (plans made on a GPU hold GPU tensors)."""
+        flat = [p for heads in self.kept for p in heads if p.numel()]
+        if not flat:
+            return True
+        if len({p.device for p in flat}) > 1:
+            return False  # mixed devices: let the per-head check speak
+        joined = torch.cat(flat)
+        ok = (joined.min() >= 0) & (joined.max() < self.seq_len)
+        if joined.numel() > 1:
+            rising = joined[1:] > joined[:-1]
+            starts = torch.tensor([p.numel() for p in flat], dtype=torch.int64).cumsum(0)[:-1]
+            boundary = torch.zeros(joined.numel() - 1, dtype=torch.bool)
+            boundary[starts - 1] = True  # pair (last of one head, first of the next)
+            ok = ok & (rising | boundary.to(joined.device)).all()
+        return bool(ok)
+
+    def _check_shape(self, layer: int, head: int, positions: torch.Tensor) -> None:
+        if positions.dtype != torch.int64 or positions.dim() != 1:
+            raise ValueError(
+                f"kept[{layer}][{head}] must be a 1-D int64 tensor, got "
+                f"{positions.dtype} with shape {tuple(positions.shape)}"
+            )
 
     def _check_positions(self, layer: int, head: int, positions: torch.Tensor) -> None:
         if positions.dtype != torch.int64 or positions.dim() != 1:
