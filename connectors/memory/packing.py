@@ -115,8 +115,9 @@ def plan_pack(
     if mean(chosen) >= kept:
         return chosen
     # Clipping to the reservation lost tokens: ask for more until the mean is the budget
-    # again (smallest such ask, by bisection; the plan at ``reserved`` if none reaches it).
-    lo, hi, best = kept + 1, reserved, None
+    # again (smallest such ask, by bisection; asking for every token fills every head to
+    # ``reserved``, so the search always ends with a mean >= the budget).
+    lo, hi, best = kept + 1, num_tokens, None
     for _ in range(MAX_BUDGET_SEARCH):
         if lo > hi:
             break
@@ -126,10 +127,10 @@ def plan_pack(
             best, hi = candidate, mid - 1
         else:
             lo = mid + 1
-    return best if best is not None else clipped(plan_for(reserved))
+    return best if best is not None else clipped(plan_for(num_tokens))
 
 
-MAX_BUDGET_SEARCH = 8
+MAX_BUDGET_SEARCH = 12
 """Re-plans at most this many times to bring the clipped mean count back to the budget."""
 
 

@@ -105,7 +105,8 @@ def test_per_head_pack_keeps_own_counts_padded_with_zeros(layout_name: str) -> N
 
 
 def test_per_head_pack_clips_counts_to_reserved() -> None:
-    """Ada-KV gives the flat-attention head most of the budget; it is clipped to reserved."""
+    """Ada-KV gives the flat-attention head most of the budget; it is clipped to reserved
+    and the policy is asked for more, so the other head gets the tokens back."""
     layout = make_layout("head_major_kt", BS)
     kv = paged(8, 7)
     row = [0, 1, 2, 3, 4, 5]
@@ -124,8 +125,9 @@ def test_per_head_pack_clips_counts_to_reserved() -> None:
     free = pack_in_place([kv.clone()], layout, row, 4 * BS, BS, policy, window, reserved=3 * BS)
     assert free[0][0].numel() > BS > free[0][1].numel()  # unclipped: head 0 takes more
     chosen = pack_in_place([kv], layout, row, 4 * BS, BS, policy, window, reserved=BS)
-    assert chosen[0][0].numel() == BS and chosen[0][1].numel() == free[0][1].numel()
-    assert 5 in chosen[0][1].tolist()
+    # head 0 clipped to BS; the policy is asked for more until head 1 fills up too
+    assert [k.numel() for k in chosen[0]] == [BS, BS]
+    assert set(free[0][1].tolist()) <= set(chosen[0][1].tolist()) and 5 in chosen[0][1].tolist()
     with pytest.raises(ValueError, match="reserved"):
         pack_in_place([kv], layout, row, 4 * BS, 2 * BS, policy, window, reserved=BS)
 
