@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.compaction import SaveJob, compact_job, uniform_keep
+from connectors.compaction import SaveJob, compact_job, observe_layer, uniform_keep
 from connectors.config import ConnectorConfig, validate_against_engine
 from connectors.holes import Hole, skip_holes
 from connectors.kv_layout import CpuPageLayout, GpuPageLayout, make_layout
-from lmcompact.policies import make_policy
+from lmcompact.attention.scores import window_scores
+from lmcompact.policies import Need, make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
 
 
@@ -59,6 +60,48 @@ def test_engine_checks() -> None:
             num_kv_heads=3,
             head_dim=64,
         )  # SmolLM2's shape
+    adakv = ConnectorConfig.from_extra({"policy": "adakv", "chunk_size": 256})
+    validate_against_engine(
+        adakv,
+        block_size=32,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        prefix_caching=False,
+        per_head_counts=True,  # the memory connector's per_head mode masks the padding
+    )
+    with pytest.raises(ValueError, match="CUMULATIVE_SCORES"):  # needs are still checked
+        validate_against_engine(
+            ConnectorConfig.from_extra({"policy": "h2o", "chunk_size": 64}),
+            block_size=32,
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
+            prefix_caching=False,
+            per_head_counts=True,
+        )
+
+
+def test_observe_layer_on_cpu_is_the_reference_exactly() -> None:
+    """Off CUDA the window mass is the torch reference with the same arguments as before."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3000, 8, generator=gen)
+    queries = torch.randn(16, 6, 8, generator=gen)
+    positions = torch.arange(3100 - 16, 3100)
+    for needs in (Need.WINDOW_SCORES, Need.WINDOW_ATTENTION):
+        mass, rows = observe_layer(keys, keys, queries, positions, 100, needs, 0.3, torch.bfloat16)
+        want, want_rows = window_scores(
+            queries.permute(1, 0, 2)[None],
+            keys[None],
+            query_positions=positions - 100,
+            scale=0.3,
+            chunk_size=1024,
+            return_attention=needs is Need.WINDOW_ATTENTION,
+        )
+        assert mass is not None and torch.equal(mass, want[0])
+        assert (rows is None) == (want_rows is None)
+        if rows is not None and want_rows is not None:
+            assert torch.equal(rows, want_rows[0])
 
 
 def test_kept_per_chunk_is_block_aligned() -> None:
