@@ -17,7 +17,16 @@ Measured per run (forward hooks on the model):
   the cache's reorder between steps, which is where DynamicCache copies.
 * ``peak_kv_bytes``: the most K/V bytes the cache held after any forward
   (DynamicCache: its tensors' bytes; PagedCache: blocks in use x bytes per
-  block, scales included). The pool's preallocated capacity is reported apart.
+  block, scales included). The pool's preallocated capacity is reported apart,
+  and on CUDA ``cuda_peak_allocated_bytes`` (``torch.cuda.max_memory_allocated``
+  over the run: weights, activations and the whole pool included).
+
+On CUDA every timestamp is taken after ``torch.cuda.synchronize()``, and each
+(prompt length, config) pair first runs a short untimed ``generate`` with the
+same prompt (``--warmup``, default on CUDA) so that Triton compilation and
+CUDA library setup are not timed. ``--random-weights`` builds the model from
+the folder's ``config.json`` alone and feeds seeded random token ids (no
+tokenizer, no weights needed).
 
 ``beam_time_ratio`` = paged / dynamic decode time per token and
 ``beam_kv_memory_ratio`` = paged / dynamic peak KV bytes, at the longest prompt.
@@ -30,8 +39,6 @@ import logging
 import time
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from lmcompact.cli._output import format_table, write_json
 
@@ -56,17 +63,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="an untimed short generate per run first (default: on for CUDA, off for CPU)",
+    )
+    parser.add_argument(
         "--random-weights",
         action="store_true",
-        help="build the model from the folder's config with seeded random weights (a folder "
-        "with config + tokenizer only; times and KV bytes are those of the real model, the "
-        "tokens are not meaningful)",
+        help="build the model from the folder's config.json with seeded random weights and "
+        "feed seeded random token ids (no tokenizer or weights needed; times and KV bytes are "
+        "those of the real model, the tokens are not meaningful)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="CPU sizes: one 1024-token prompt, 32 new tokens"
     )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
+
+
+def _random_ids(vocab_size: int, length: int) -> Any:
+    """Seeded random token ids ``(1, length)`` (the prompt of a random-weight model)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(length)
+    return torch.randint(0, vocab_size, (1, length), generator=gen)
 
 
 def _prompt_ids(tokenizer: Any, length: int) -> Any:
@@ -120,8 +141,16 @@ def _dynamic_kv_bytes(cache: Any) -> int:
     return total
 
 
-def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dict[str, Any]:
+def _one_run(
+    model: Any, ids: Any, config: str, args: argparse.Namespace, new_tokens: int | None = None
+) -> dict[str, Any]:
     import torch
+
+    new_tokens = args.new_tokens if new_tokens is None else new_tokens
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     from transformers import DynamicCache
 
     from lmcompact.hf.attention import enable_lmcompact_attention
@@ -135,7 +164,7 @@ def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dic
         kv_bytes = lambda: _dynamic_kv_bytes(cache)  # noqa: E731
     else:
         enable_lmcompact_attention(model)
-        total = ids.shape[1] + args.new_tokens
+        total = ids.shape[1] + new_tokens
         cache = PagedCache(
             model.config,
             num_blocks=blocks_needed(model.config, args.beams, total, args.block_size),
@@ -152,8 +181,8 @@ def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dic
                 ids,
                 num_beams=args.beams,
                 do_sample=False,
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 past_key_values=cache,
                 early_stopping=False,
             )
@@ -161,7 +190,7 @@ def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dic
         clock.remove()
     clock.sync()
     end = time.perf_counter()
-    steps = max(args.new_tokens - 1, 1)
+    steps = max(new_tokens - 1, 1)
     row: dict[str, Any] = {
         "config": config,
         "prompt_tokens": int(ids.shape[1]),
@@ -172,6 +201,8 @@ def _one_run(model: Any, ids: Any, config: str, args: argparse.Namespace) -> dic
         "final_kv_bytes": clock.kv[-1],
         "tokens": out[0, ids.shape[1] :].tolist(),
     }
+    if cuda:
+        row["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     if config != "dynamic":
         row["pool_capacity_bytes"] = cache.kv_bytes(cache.pool.num_blocks)
         cache.check_accounting()
@@ -220,9 +251,12 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    import transformers
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lmcompact.hf.prepare import prepare_model
+    from lmcompact.kernels.dispatch import use_kernels
 
     if args.quick:
         args.prompt_lengths, args.new_tokens = "1024", 32
@@ -236,19 +270,25 @@ def run(args: argparse.Namespace) -> int:
             f"need --new-tokens >= 2 and --beams >= 1, got {args.new_tokens}, {args.beams}"
         )
     folder = Path(args.model) if Path(args.model).is_dir() else prepare_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     if args.random_weights:
         torch.manual_seed(0)
-        config = AutoConfig.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model_config = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        prompt = lambda n: _random_ids(model_config.vocab_size, n)  # noqa: E731
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompt = lambda n: _prompt_ids(tokenizer, n)  # noqa: E731
     model = model.to(args.device).eval()
+    device = torch.device(args.device)
+    warmup = device.type == "cuda" if args.warmup is None else args.warmup
 
     rows: list[dict[str, Any]] = []
     todo = [(t, c) for t in lengths for c in configs]
     for length, config in tqdm(todo, desc="bench hf-beam"):
-        ids = _prompt_ids(tokenizer, length).to(args.device)
+        ids = prompt(length).to(args.device)
+        if warmup:  # compile kernels, set up libraries: not timed
+            _one_run(model, ids, config, args, new_tokens=4)
         rows.append(_one_run(model, ids, config, args))
     summary = _summarize(rows, max(lengths))
     for row in rows:
@@ -283,9 +323,16 @@ def run(args: argparse.Namespace) -> int:
             "policy": args.policy,
             "ratio": args.ratio,
             "device": args.device,
+            "device_name": _device_name(device),
             "dtype": "float32",
             "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "triton": _triton_version(),
+            "kernels": use_kernels(device),
+            "warmup": warmup,
             "random_weights": args.random_weights,
+            "prompt": "seeded random ids" if args.random_weights else "pydoc topics text",
         },
         **summary,
         "results": rows,
@@ -293,8 +340,29 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, payload)
     if args.json and args.json != "-":
         plot = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
-        _plot(rows, plot, f"beam search x{args.beams}, {args.new_tokens} new tokens, {args.device}")
+        try:
+            _plot(rows, plot, f"beam search x{args.beams}, {args.new_tokens} new tokens, {device}")
+        except ImportError:
+            logger.warning("matplotlib is not installed: no plot (the JSON is written)")
     return 0
+
+
+def _device_name(device: Any) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return platform.processor() or platform.machine()
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return str(triton.__version__)
 
 
 def _summarize(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:

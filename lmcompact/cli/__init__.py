@@ -17,16 +17,41 @@ from types import ModuleType
 
 
 def discover_commands(package: str) -> list[ModuleType]:
-    """Import every module of ``package`` that defines a ``NAME`` (sorted by name)."""
+    """Import every module of ``package`` that defines a ``NAME`` (sorted by name).
+
+    A module whose import fails for a missing package (say msgpack on a GPU
+    box) becomes a stub command that reports the error when run, so the other
+    commands still work.
+    """
     pkg = importlib.import_module(package)
     found: list[ModuleType] = []
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{package}.{info.name}")
+        try:
+            module = importlib.import_module(f"{package}.{info.name}")
+        except ImportError as exc:
+            module = _unavailable(info.name, exc)
         if hasattr(module, "NAME") and hasattr(module, "run"):
             found.append(module)
     return sorted(found, key=lambda m: str(m.NAME))
+
+
+def _unavailable(name: str, error: ImportError) -> ModuleType:
+    """A stand-in command for a module that cannot be imported here."""
+    stub = ModuleType(name)
+    stub.NAME = name.replace("_", "-")  # type: ignore[attr-defined]
+    stub.HELP = f"(unavailable here: {error})"  # type: ignore[attr-defined]
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def run(args: argparse.Namespace) -> int:
+        raise SystemExit(f"lmcompact {stub.NAME}: cannot run here: {error}")
+
+    stub.add_arguments = add_arguments  # type: ignore[attr-defined]
+    stub.run = run  # type: ignore[attr-defined]
+    return stub
 
 
 def add_command_group(

@@ -114,12 +114,17 @@ def paged_attention(
     scale: float | None = None,
     return_key_mass: bool = False,
     validate: bool = True,
+    max_q_len: int | None = None,
+    max_visible: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over a compacted paged pool with per-head lengths (decode or prefill).
 
     Shapes as in :func:`lmcompact.kernels.reference_paged.paged_attention_reference`.
     ``validate`` checks the lengths on the host (a device sync); turn it off in a
-    hot loop once the caller guarantees them.
+    hot loop once the caller guarantees them. ``max_q_len`` (longest query run)
+    and ``max_visible`` (most keys any head sees, an upper bound will do) are
+    host ints the Triton kernel otherwise reads back from the device (a sync
+    each); the reference ignores them.
     """
     if validate:
         lengths.validate(
@@ -138,6 +143,8 @@ def paged_attention(
             lengths,
             scale=scale,
             return_key_mass=return_key_mass,
+            max_q_len=max_q_len,
+            max_visible=max_visible,
         )
     return paged_attention_reference(
         queries,

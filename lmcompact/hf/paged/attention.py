@@ -109,8 +109,9 @@ def shared_block_attention(
 
     index = key_index.view(1, b, 1, n).expand(hkv, b, group, n)
     row_logits = torch.gather(logits, 3, index)
-    visible = table.visible(1)[:, :, 0].to(query.device)  # (B, Hkv, n)
-    row_logits = row_logits.masked_fill(~visible.transpose(0, 1).unsqueeze(2), float("-inf"))
+    if table.compacted:  # else the one query of a row sees all of its n slots
+        visible = table.visible(1)[:, :, 0].to(query.device)  # (B, Hkv, n)
+        row_logits = row_logits.masked_fill(~visible.transpose(0, 1).unsqueeze(2), float("-inf"))
     probs = torch.softmax(row_logits, dim=-1)
     spread = torch.zeros(hkv, b, group, total, dtype=work, device=query.device)
     spread.scatter_(3, index, probs)

@@ -93,17 +93,38 @@ class BlockPool:
         self._check_range(ids)
         after = self.refcount.clone()
         after.index_add_(0, ids, -torch.ones_like(ids))
+        self._commit(after, ids)
+
+    def _commit(self, after: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Install new counts; ``dropped`` ids that reached zero go back to the free list."""
         if bool((after < 0).any()):
             bad = torch.nonzero(after < 0).flatten().tolist()
             counts = self.refcount[bad[:8]].tolist()
             raise RuntimeError(f"decref below zero for blocks {bad[:8]} (refcounts {counts})")
         self.refcount = after
-        touched = ids.unique()
+        touched = dropped.unique()
         freed = touched[after[touched] == 0]
         self._free.extend(freed.flip(0).tolist())
 
+    def swap(self, add: torch.Tensor, drop: torch.Tensor) -> None:
+        """:meth:`incref` ``add`` and :meth:`decref` ``drop`` in one pass (a beam reorder).
+
+        Every id of ``add`` must hold a reference before the swap (the same
+        errors as the two calls apart).
+        """
+        add = add.reshape(-1).to(device="cpu", dtype=torch.int64)
+        drop = drop.reshape(-1).to(device="cpu", dtype=torch.int64)
+        self._check_range(torch.cat([add, drop]))
+        if bool((self.refcount[add] <= 0).any()):
+            bad = add[self.refcount[add] <= 0].unique().tolist()
+            raise RuntimeError(f"incref of free blocks {bad[:8]}: they were never allocated")
+        after = self.refcount.clone()
+        after.index_add_(0, add, torch.ones_like(add))
+        after.index_add_(0, drop, -torch.ones_like(drop))
+        self._commit(after, drop)
+
     def _check_range(self, ids: torch.Tensor) -> None:
-        if bool((ids < 0).any()) or bool((ids >= self.num_blocks).any()):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise ValueError(
                 f"block ids must be in [0, {self.num_blocks}); got min {int(ids.min())}, "
                 f"max {int(ids.max())}"

@@ -129,6 +129,18 @@ class PagedCache(Cache):
         )
         return self.last_plan
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Permute every layer's rows by ``beam_idx`` (beam search; block ids move, K/V stay).
+
+        The indices come to the host once per step (a device sync on CUDA,
+        which ``generate`` pays anyway), not once per layer.
+        """
+        rows = beam_idx.to(device="cpu", dtype=torch.int64)
+        if torch.equal(rows, torch.arange(rows.numel())):
+            return
+        for layer in self.paged_layers:
+            layer.reorder_cache(rows)  # type: ignore[arg-type]
+
     def reset(self) -> None:
         """Give every block back to the pool and forget any pending compaction."""
         super().reset()

@@ -30,6 +30,7 @@ from lmcompact.hf.paged.attention import gathered_attention, shared_block_attent
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.storage import KVStorage, StorageSpec
 from lmcompact.hf.paged.table import BlockTable, allocate_cleared
+from lmcompact.layout.paged import PagedLengths
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,27 @@ class SharedPool:
     kv_dtype: str
     storage: KVStorage | None = None
     prefill_observer: Any = field(default=None)
+    _vectors: dict[tuple[str, int, int, torch.device], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
+
+    def row_vector(self, kind: str, batch: int, value: int, device: torch.device) -> torch.Tensor:
+        """A small device tensor made once per decode step and reused by every layer.
+
+        ``kind`` ``"full"``: ``(batch,)`` int64 filled with ``value``; ``"cu"``:
+        ``(batch + 1,)`` int32 offsets ``0, value, 2 * value, ...``.
+        """
+        key = (kind, batch, value, device)
+        out = self._vectors.get(key)
+        if out is None:
+            if len(self._vectors) > 64:  # past steps' lengths: drop them
+                self._vectors.clear()
+            if kind == "full":
+                out = torch.full((batch,), value, dtype=torch.int64, device=device)
+            else:
+                out = torch.arange(0, (batch + 1) * value, value, dtype=torch.int32, device=device)
+            self._vectors[key] = out
+        return out
 
     def storage_for(self, like: torch.Tensor) -> KVStorage:
         if self.storage is None:
@@ -117,6 +139,8 @@ class PagedLayer(CacheLayerMixin):
             )
         if table.num_slots == 0 and b > 1 and _rows_identical(key_states, value_states):
             self._write_shared_prefill(key_states, value_states)
+        elif s == 1 and table.num_slots:
+            self._write_decode(key_states, value_states)
         else:
             slots = table.append(s, self.shared.pool, storage)
             blocks, offsets = (
@@ -130,6 +154,23 @@ class PagedLayer(CacheLayerMixin):
         self.seen += s
         self._awaiting_attend = True
         return tag(key_states, self), value_states
+
+    def _write_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One new token per row: every row writes the same slot of its last block."""
+        table, storage = self._state()
+        table.append(1, self.shared.pool, storage)
+        slot = table.num_slots - 1
+        column = slot // table.block_size
+        if storage.device.type == "cpu":
+            blocks = table.blocks[:, column]
+        else:  # the table's device copy is needed by attention anyway: no extra upload
+            blocks = table.device_blocks(storage.device)[:, column]
+        storage.write(
+            blocks,
+            slot % table.block_size,
+            key_states[:, :, 0].transpose(0, 1),
+            value_states[:, :, 0].transpose(0, 1),
+        )
 
     def _write_shared_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         table, storage = self._state()
@@ -165,7 +206,7 @@ class PagedLayer(CacheLayerMixin):
             return causal_sdpa(module, query, key, value, scaling, **kwargs)
         if query.shape[2] == 1:
             if _use_kernel(query, storage):
-                return _kernel_attention(query, storage, table, scaling)
+                return _kernel_attention(query, self.shared, table, scaling)
             return shared_block_attention(query, storage, table, scaling)
         return gathered_attention(query, storage, table, scaling)
 
@@ -243,27 +284,38 @@ def _use_kernel(query: torch.Tensor, storage: KVStorage) -> bool:
 
 
 def _kernel_attention(
-    query: torch.Tensor, storage: KVStorage, table: BlockTable, scaling: float
+    query: torch.Tensor, shared: SharedPool, table: BlockTable, scaling: float
 ) -> torch.Tensor:
-    """The Triton paged kernel through :mod:`lmcompact.kernels.dispatch` (CUDA, float KV)."""
+    """Decode through the Triton paged kernel (:mod:`lmcompact.kernels.dispatch`), no host sync.
+
+    The table's lengths are exact by construction, so validation is off, and
+    the kernel gets the longest query run and visible length as host ints
+    (it would read them back from the device otherwise). The block table and
+    ``kept`` are uploaded once per change; the per-step vectors are shared by
+    all layers.
+    """
     from lmcompact.kernels.dispatch import paged_attention
 
+    assert shared.storage is not None
     b, hq, s, d = query.shape
-    key_pool, value_pool = storage.paged_views()
     device = query.device
-    lengths = table.lengths()
-    lengths = type(lengths)(
-        *(t.to(device) for t in (lengths.kept, lengths.tail_start, lengths.seq_len))
+    key_pool, value_pool = shared.storage.paged_views()
+    kept, kept_max = table.device_kept(device)
+    lengths = PagedLengths(
+        kept=kept,
+        tail_start=shared.row_vector("full", b, table.tail_start, device),
+        seq_len=shared.row_vector("full", b, table.num_slots, device),
     )
-    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
     out, _ = paged_attention(
         query.transpose(1, 2).reshape(b * s, hq, d),
         key_pool,
         value_pool,
-        table.blocks.to(device=device, dtype=torch.int32),
-        cu,
+        table.device_blocks(device),
+        shared.row_vector("cu", b, s, device),
         lengths,
         scale=scaling,
         validate=False,
+        max_q_len=s,
+        max_visible=kept_max + table.num_slots - table.tail_start,
     )
     return out.view(b, s, hq, d)

@@ -109,12 +109,17 @@ class KVStorage:
 
     # ------------------------------------------------------------------ writes
     def write(
-        self, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor | int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
         """Store ``n`` tokens (all heads).
 
         Args:
-            blocks: ``(n,)`` block ids; offsets: ``(n,)`` slots inside those blocks.
+            blocks: ``(n,)`` block ids; offsets: ``(n,)`` slots inside those
+                blocks, or one slot for all (a decode step).
             keys, values: ``(Hkv, n, D)`` in the compute dtype.
         """
         if keys.shape != values.shape or keys.shape[1] != blocks.shape[0]:
@@ -123,7 +128,8 @@ class KVStorage:
                 f"(Hkv, n={blocks.shape[0]}, D)"
             )
         blocks = blocks.to(self.device)
-        offsets = offsets.to(self.device)
+        if isinstance(offsets, torch.Tensor):
+            offsets = offsets.to(self.device)
         if self.key_scales is None or self.value_scales is None:
             self.keys[:, blocks, offsets] = keys.to(self.keys.dtype)
             self.values[:, blocks, offsets] = values.to(self.values.dtype)
@@ -146,7 +152,10 @@ class KVStorage:
         """Copy slots ``[0, upto)`` of blocks ``src`` into blocks ``dst`` (raw, exact)."""
         src, dst = src.to(self.device), dst.to(self.device)
         for tensor in self._tensors():
-            tensor[:, dst, :upto] = tensor[:, src, :upto]
+            if upto == self.spec.block_size:  # whole blocks: index ops beat slicing setitem
+                tensor.index_copy_(1, dst, tensor.index_select(1, src))
+            else:
+                tensor[:, dst, :upto] = tensor[:, src, :upto]
 
     def move_tokens(
         self,
@@ -203,7 +212,7 @@ class KVStorage:
     def block_gather(self, ids: torch.Tensor) -> KVRun:
         """Blocks ``ids`` (any order) gathered into a run (a copy)."""
         ids = ids.to(self.device)
-        return self._run(lambda t: t[:, ids])
+        return self._run(lambda t: t.index_select(1, ids))
 
     def _run(self, pick: Callable[[torch.Tensor], torch.Tensor]) -> KVRun:
         h = self.spec.num_kv_heads

@@ -20,7 +20,8 @@ counts. All reference counting goes through :class:`BlockPool`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class BlockTable:
     tail_start: int
     num_slots: int
     block_size: int
+    _mirrors: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def empty(cls, batch: int, num_kv_heads: int, block_size: int) -> BlockTable:
@@ -81,6 +83,33 @@ class BlockTable:
             tail_start=torch.full((b,), self.tail_start, dtype=torch.int64),
             seq_len=torch.full((b,), self.num_slots, dtype=torch.int64),
         )
+
+    @property
+    def compacted(self) -> bool:
+        """True once a policy packed the prompt (``kept`` / ``tail_start`` matter)."""
+        return self.tail_start > 0
+
+    def device_blocks(self, device: torch.device) -> torch.Tensor:
+        """``blocks`` as int32 on ``device``, uploaded once per change (not per use).
+
+        The copy is keyed on the tensor object: assigning ``blocks`` refreshes
+        it; an in-place write must be followed by :meth:`invalidate_mirrors`
+        (inference tensors have no version counter to detect it).
+        """
+        return _mirrored(self._mirrors, "blocks", self.blocks, device, torch.int32)
+
+    def device_kept(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``kept`` on ``device`` (uploaded once per change) and its maximum (host int)."""
+        kept = _mirrored(self._mirrors, "kept", self.kept, device, torch.int64)
+        cached = self._mirrors.get("kept_max")
+        if cached is None or cached[0] is not self.kept:
+            cached = (self.kept, int(self.kept.max()) if self.kept.numel() else 0)
+            self._mirrors["kept_max"] = cached
+        return kept, cached[1]
+
+    def invalidate_mirrors(self) -> None:
+        """Forget the device copies (after writing ``blocks`` or ``kept`` in place)."""
+        self._mirrors.clear()
 
     def visible(self, num_queries: int) -> torch.Tensor:
         """``(B, Hkv, S, num_slots)`` bool: slot visible to query ``i`` of row ``b``, head ``h``.
@@ -121,14 +150,33 @@ class BlockTable:
         return torch.arange(start, start + count).expand(self.batch_size, -1)
 
     def _unshare_last(self, pool: BlockPool, storage: KVStorage, filled: int) -> None:
-        for row in range(self.batch_size):
-            block = int(self.blocks[row, -1])
-            if int(pool.refcount[block]) == 1:
-                continue
-            fresh = allocate_cleared(pool, storage, 1)
-            storage.copy_blocks(torch.tensor([block]), fresh, filled)
-            pool.decref(torch.tensor([block]))
-            self.blocks[row, -1] = fresh[0]
+        """Give each row a last block of its own (copy-on-write).
+
+        Rows holding the same block copy it in row order until one reference is
+        left, so the last such row (or a row outside this table) keeps it. The
+        bookkeeping is a few host ints per row (cheaper than tensor ops at beam
+        sizes); all copies go in one call. Whole blocks are copied: slots past
+        ``filled`` hold finite values (zeroed at allocation, or stale after a
+        crop) that attention never reads.
+        """
+        del filled  # whole blocks are copied (see above)
+        last_ids = self.blocks[:, -1]
+        last = last_ids.tolist()
+        left = dict(zip(last, pool.refcount[last_ids].tolist(), strict=True))
+        rows: list[int] = []
+        for row, block in enumerate(last):
+            if left[block] > 1:
+                left[block] -= 1
+                rows.append(row)
+        if not rows:
+            return
+        copy_rows = torch.tensor(rows, dtype=torch.int64)
+        src = last_ids[copy_rows]
+        fresh = pool.allocate(len(rows))
+        storage.copy_blocks(src, fresh, self.block_size)
+        pool.decref(src)
+        self.blocks[copy_rows, -1] = fresh
+        self.invalidate_mirrors()
 
     def reorder(self, rows: torch.Tensor, pool: BlockPool) -> None:
         """Row ``b`` becomes old row ``rows[b]`` (beam search); blocks are shared, not copied."""
@@ -143,8 +191,7 @@ class BlockTable:
         """Keep rows ``rows`` (any length, repeats allowed) as the new batch."""
         rows = rows.to(device="cpu", dtype=torch.int64)
         new_blocks = self.blocks[rows]
-        pool.incref(new_blocks)
-        pool.decref(self.blocks)
+        pool.swap(new_blocks, self.blocks)
         self.blocks = new_blocks
         self.kept = self.kept[rows]
 
@@ -167,3 +214,14 @@ class BlockTable:
         pool.decref(self.blocks[:, keep_blocks:])
         self.blocks = self.blocks[:, :keep_blocks].clone()
         self.num_slots = num_slots
+
+
+def _mirrored(
+    cache: dict[str, Any], name: str, host: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A device copy of ``host``, reused while ``host`` is the same object on ``device``."""
+    cached = cache.get(name)
+    if cached is None or cached[0] is not host or cached[1] != device:
+        cached = (host, device, host.to(device=device, dtype=dtype).contiguous())
+        cache[name] = cached
+    return cached[2]

@@ -138,6 +138,8 @@ def test_random_beam_steps_keep_exact_counts(
             table.reorder(torch.tensor(arg), pool)
             shadow = [shadow[i] for i in arg]
         pool.check_counts(_recount(pool, table))
+        # the kernels' copy of the table (here on CPU) follows every change
+        assert torch.equal(table.device_blocks(torch.device("cpu")), table.blocks.int())
     for row in range(4):
         keys, _ = storage.read_slots(*table.addresses(row, torch.arange(table.num_slots)))
         assert torch.equal(keys, shadow[row])

@@ -1,0 +1,155 @@
+"""PagedCache on CUDA against DynamicCache (tiny random Llama, no downloads; needs a GPU).
+
+Float K/V decode goes through the Triton paged kernel; int8 K/V, or any cache
+under ``force_reference()``, through the torch shared-block path. The kernel
+takes fp32 dot products in TF32, so decode is compared by *teacher-forced*
+logits (same tokens and beam reorders fed to both caches) with a tolerance;
+``generate`` tokens are compared on a model whose logits are far apart
+(``initializer_range`` 0.1), where TF32 rounding cannot flip a choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmcompact.hf.attention import enable_lmcompact_attention  # noqa: E402
+from lmcompact.hf.paged import PagedCache, blocks_needed  # noqa: E402
+from lmcompact.kernels.dispatch import force_reference, use_kernels  # noqa: E402
+from lmcompact.policies import make_policy  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+PROMPT, NEW, BLOCK, BEAMS = 100, 16, 16, 4
+# beam reorders fed at each step: duplicated parents force copy-on-write of the last block
+REORDERS = [[0, 0, 1, 2], [1, 1, 1, 3], [0, 1, 2, 3], [3, 2, 2, 0]]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert torch.isfinite(got).all()
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+    )
+    return transformers.LlamaForCausalLM(config).to("cuda").eval()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 512, (1, PROMPT), generator=gen).to("cuda")
+
+
+def paged(model: Any, rows: int, **kwargs: Any) -> PagedCache:
+    blocks = blocks_needed(model.config, rows, PROMPT + NEW, BLOCK)
+    return PagedCache(model.config, num_blocks=blocks, block_size=BLOCK, **kwargs)
+
+
+def forced_logits(model: Any, cache: Any, prompt: torch.Tensor) -> torch.Tensor:
+    """``(NEW + 1, BEAMS, vocab)`` logits: prefill of BEAMS copies, then NEW steps with
+    the fixed :data:`REORDERS` and seeded tokens."""
+    if isinstance(cache, PagedCache):
+        enable_lmcompact_attention(model)
+    else:
+        model.set_attn_implementation("sdpa")
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 512, (NEW, BEAMS), generator=gen).to("cuda")
+    with torch.inference_mode():
+        out = model(prompt.expand(BEAMS, -1), past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for step in range(NEW):
+            beam_idx = torch.tensor(REORDERS[step % len(REORDERS)], device="cuda")
+            cache.reorder_cache(beam_idx)
+            out = model(tokens[step, :, None], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            if isinstance(cache, PagedCache):
+                cache.check_accounting()
+    return torch.stack(logits).float()
+
+
+def _reset(cache: PagedCache) -> None:
+    cache.reset()
+    assert cache.pool.is_pristine()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+def test_kernel_decode_matches_dynamic_cache(
+    model: Any, prompt: torch.Tensor, dtype: torch.dtype, tol: float
+) -> None:
+    assert use_kernels(prompt.device), "the Triton kernel path is not taken on this machine"
+    model.to(dtype)
+    try:
+        want = forced_logits(model, transformers.DynamicCache(config=model.config), prompt)
+        cache = paged(model, BEAMS)
+        got = forced_logits(model, cache, prompt)
+        assert rel_err(got, want) < tol
+        _reset(cache)
+    finally:
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_generate_tokens_identical_to_dynamic_cache(
+    model: Any, prompt: torch.Tensor, beams: int
+) -> None:
+    def generate(cache: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(
+                prompt,
+                num_beams=beams,
+                do_sample=False,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                past_key_values=cache,
+            )
+
+    model.set_attn_implementation("sdpa")
+    want = generate(transformers.DynamicCache(config=model.config))
+    enable_lmcompact_attention(model)
+    cache = paged(model, beams)
+    got = generate(cache)
+    assert torch.equal(got, want)
+    cache.check_accounting()
+    _reset(cache)
+
+
+def test_int8_decode_close_to_float(model: Any, prompt: torch.Tensor) -> None:
+    want = forced_logits(model, transformers.DynamicCache(config=model.config), prompt)
+    cache = paged(model, BEAMS, kv_dtype="int8")
+    got = forced_logits(model, cache, prompt)
+    assert rel_err(got, want) < 5e-2
+    spec = cache.spec
+    assert spec is not None and spec.quantized and cache.peak_kv_bytes() > 0
+    _reset(cache)
+
+
+def test_compacted_kernel_decode_matches_torch_path(model: Any, prompt: torch.Tensor) -> None:
+    """snapkv at 0.5: per-head kept lengths and the hole, kernel vs the torch path."""
+    runs = []
+    for forced in (False, True):
+        cache = paged(model, BEAMS, policy=make_policy("snapkv", budget=0.5))
+        with force_reference(forced):
+            runs.append(forced_logits(model, cache, prompt))
+        table = cache.paged_layers[0].table
+        assert table is not None and table.tail_start > 0
+        _reset(cache)
+    assert rel_err(runs[0], runs[1]) < 1e-2
