@@ -38,6 +38,7 @@ from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.compaction import PrefillObserver, compact_layers
 from lmcompact.hf.paged.layer import PagedLayer, SharedPool
 from lmcompact.hf.paged.storage import KV_DTYPES, StorageSpec
+from lmcompact.hf.paged.table import BlockTable
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionPolicy
 
@@ -133,13 +134,17 @@ class PagedCache(Cache):
         """Permute every layer's rows by ``beam_idx`` (beam search; block ids move, K/V stay).
 
         The indices come to the host once per step (a device sync on CUDA,
-        which ``generate`` pays anyway), not once per layer.
+        which ``generate`` pays anyway), not once per layer, and the reference
+        counts of all layers move in one pass.
         """
         rows = beam_idx.to(device="cpu", dtype=torch.int64)
         if torch.equal(rows, torch.arange(rows.numel())):
             return
+        tables = [layer.table for layer in self.paged_layers if layer.table is not None]
+        BlockTable.reorder_all(tables, rows, self.pool)
         for layer in self.paged_layers:
-            layer.reorder_cache(rows)  # type: ignore[arg-type]
+            if layer.kept_positions is not None:
+                layer.kept_positions = layer.kept_positions[rows]
 
     def reset(self) -> None:
         """Give every block back to the pool and forget any pending compaction."""

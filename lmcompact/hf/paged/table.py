@@ -187,6 +187,30 @@ class BlockTable:
             return
         self.select(rows, pool)
 
+    @staticmethod
+    def reorder_all(tables: list[BlockTable], rows: torch.Tensor, pool: BlockPool) -> None:
+        """:meth:`reorder` every table by the same ``rows`` with one reference swap.
+
+        What a beam step does to all layers of a cache: per-table bookkeeping
+        is a row index, the counting is done once for all of them.
+        """
+        rows = rows.to(device="cpu", dtype=torch.int64)
+        for table in tables:
+            if rows.shape != (table.batch_size,):
+                raise ValueError(
+                    f"beam indices must be ({table.batch_size},), got {tuple(rows.shape)}"
+                )
+        if not tables or torch.equal(rows, torch.arange(rows.numel())):
+            return
+        new = [table.blocks[rows] for table in tables]
+        pool.swap(
+            torch.cat([b.reshape(-1) for b in new]),
+            torch.cat([table.blocks.reshape(-1) for table in tables]),
+        )
+        for table, blocks in zip(tables, new, strict=True):
+            table.blocks = blocks
+            table.kept = table.kept[rows]
+
     def select(self, rows: torch.Tensor, pool: BlockPool) -> None:
         """Keep rows ``rows`` (any length, repeats allowed) as the new batch."""
         rows = rows.to(device="cpu", dtype=torch.int64)

@@ -145,3 +145,28 @@ def test_random_beam_steps_keep_exact_counts(
         assert torch.equal(keys, shadow[row])
     table.release(pool)
     assert pool.is_pristine()
+
+
+def test_reorder_all_equals_one_reorder_per_table() -> None:
+    bs = 2
+    pools = [BlockPool(64), BlockPool(64)]
+    storages = [_storage(64, bs), _storage(64, bs)]
+    layouts = []
+    for pool, storage in zip(pools, storages, strict=True):
+        tables = [BlockTable.empty(4, 2, bs) for _ in range(3)]
+        for table in tables:
+            table.append(5, pool, storage)
+        layouts.append(tables)
+    for rows in ([0, 0, 2, 1], [3, 3, 3, 0], [0, 1, 2, 3]):
+        BlockTable.reorder_all(layouts[0], torch.tensor(rows), pools[0])
+        for table in layouts[1]:
+            table.reorder(torch.tensor(rows), pools[1])
+        for a, b in zip(*layouts, strict=True):
+            assert torch.equal(a.blocks, b.blocks) and torch.equal(a.kept, b.kept)
+        assert torch.equal(pools[0].refcount, pools[1].refcount)
+        pools[0].check_counts(_recount(pools[0], *layouts[0]))
+    with pytest.raises(ValueError, match="beam indices"):
+        BlockTable.reorder_all(layouts[0], torch.tensor([0, 1]), pools[0])
+    for table in layouts[0]:
+        table.release(pools[0])
+    assert pools[0].is_pristine()
