@@ -36,12 +36,15 @@ def sink_mask(inputs: CompactionInputs, n_sink: int) -> torch.Tensor:
 def top_mask(scores: torch.Tensor, valid: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     """``(H, T)`` bool: per head, the ``count`` best valid candidates by ``scores``."""
     num_heads, length = scores.shape
-    counts = torch.as_tensor(count, dtype=torch.int64).expand(num_heads)
+    device = scores.device  # sorted where the scores are; the mask comes back on the host
+    valid = valid.to(device)
+    counts = torch.as_tensor(count, dtype=torch.int64).to(device).expand(num_heads)
     counts = torch.minimum(counts.clamp(min=0), valid.sum(dim=-1))
-    order = descending_order(scores.detach().cpu().double(), valid.cpu())
+    order = descending_order(scores.detach().double(), valid)
     rank_of_slot = torch.empty_like(order)
-    rank_of_slot.scatter_(-1, order, torch.arange(length).expand(num_heads, -1).contiguous())
-    return rank_of_slot < counts.unsqueeze(-1)
+    ranks = torch.arange(length, device=device).expand(num_heads, -1).contiguous()
+    rank_of_slot.scatter_(-1, order, ranks)
+    return (rank_of_slot < counts.unsqueeze(-1)).cpu()
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:

@@ -382,30 +382,58 @@ def topk_keep(
         ``H`` sorted int64 CPU tensors of candidate indices; head ``h`` keeps
         ``min(k[h], valid[h].sum())`` of them.
     """
-    scores = scores.detach().cpu().double()
-    num_heads, length = scores.shape
-    valid_cpu = (
-        valid.cpu() if valid is not None else torch.ones(num_heads, length, dtype=torch.bool)
-    )
-    if bool(torch.isnan(scores[valid_cpu]).any()):
-        raise ValueError("scores contain NaN for valid candidates; a policy must score every one")
-    order = descending_order(scores, valid_cpu)
-    counts = torch.minimum(
-        torch.as_tensor(k, dtype=torch.int64).expand(num_heads), valid_cpu.sum(dim=-1)
-    )
-    kept: list[torch.Tensor] = []
-    for head in range(num_heads):
-        n = max(int(counts[head]), 0)
-        kept.append(torch.sort(order[head, :n]).values)
-    return kept
+    return _rows_of(topk_mask(scores, k, valid))
 
 
-def descending_order(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def topk_mask(
+    scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(R, T)`` bool CPU mask of :func:`topk_keep`'s choice, for any number of rows.
+
+    One sort over all rows (callers stack every layer's heads into ``R``), so
+    the cost is a few tensor ops whatever the number of layers and heads.
+    """
+    # sort where the scores are (a GPU sorts every layer's heads in well under a
+    # millisecond; a host sort of 32 x 8 x 16k doubles takes a good part of a second)
+    device = scores.device
+    scores = scores.detach().double()
+    num_rows, length = scores.shape
+    valid_on = None if valid is None else valid.to(device)
+    if valid_on is None:
+        if bool(torch.isnan(scores).any()):
+            raise ValueError(
+                "scores contain NaN for valid candidates; a policy must score every one"
+            )
+        available = torch.full((num_rows,), length, dtype=torch.int64, device=device)
+    else:
+        if bool(torch.isnan(scores[valid_on]).any()):
+            raise ValueError(
+                "scores contain NaN for valid candidates; a policy must score every one"
+            )
+        available = valid_on.sum(dim=-1)
+    wanted = torch.as_tensor(k, dtype=torch.int64).to(device).expand(num_rows)
+    counts = torch.minimum(wanted, available)
+    order = descending_order(scores, valid_on)
+    rank_of_slot = torch.empty_like(order)
+    ranks = torch.arange(length, device=device).expand(num_rows, -1).contiguous()
+    rank_of_slot.scatter_(-1, order, ranks)
+    return (rank_of_slot < counts.clamp(min=0).unsqueeze(-1)).cpu()
+
+
+def _rows_of(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Sorted int64 column indices of the True entries of each row of ``(R, T)`` ``mask``."""
+    columns = torch.nonzero(mask, as_tuple=False)[:, 1]
+    return list(torch.split(columns, mask.sum(dim=-1).tolist()))
+
+
+def descending_order(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """``(H, T)`` candidate indices, best first: valid before invalid, then by score
-    (descending), ties to the later candidate."""
+    (descending), ties to the later candidate. ``valid=None`` means all valid."""
     flipped = torch.flip(scores, dims=[-1])
     order = torch.sort(flipped, dim=-1, descending=True, stable=True).indices
     order = scores.shape[-1] - 1 - order
+    if valid is None or bool(valid.all()):
+        return order
     rank_valid = torch.gather(valid, -1, order)
     regroup = torch.sort(rank_valid.to(torch.int8), dim=-1, descending=True, stable=True).indices
     return torch.gather(order, -1, regroup)
@@ -421,13 +449,24 @@ def plan_from_scores(
 
     ``keep_per_layer[l]`` is one count for every head of layer ``l`` or an
     ``(H,)`` tensor of per-head counts; default: ``policy.keep_count(inputs)``.
+    Every layer is selected in one batched sort (no loop over layers or heads).
     """
-    valid = inputs.valid
-    layers = []
-    for index, scores in enumerate(per_layer_scores):
-        k = keep_per_layer[index] if keep_per_layer is not None else policy.keep_count(inputs)
-        layers.append(tuple(topk_keep(scores, k, valid)))
-    return KeepPlan(seq_len=inputs.num_candidates, kept=tuple(layers))
+    num_layers = len(per_layer_scores)
+    heads, length = inputs.num_kv_heads, inputs.num_candidates
+    device = per_layer_scores[0].device
+    scores = torch.stack([s.detach().to(device, torch.float64) for s in per_layer_scores])
+    if keep_per_layer is None:
+        counts = torch.full((num_layers * heads,), policy.keep_count(inputs), dtype=torch.int64)
+    else:
+        counts = torch.stack(
+            [torch.as_tensor(k, dtype=torch.int64).expand(heads) for k in keep_per_layer]
+        ).flatten()
+    valid = None
+    if inputs.valid is not None:
+        valid = inputs.valid.to(device).expand(num_layers, heads, length).reshape(-1, length)
+    rows = _rows_of(topk_mask(scores.view(num_layers * heads, length), counts, valid))
+    kept = tuple(tuple(rows[layer * heads : (layer + 1) * heads]) for layer in range(num_layers))
+    return KeepPlan(seq_len=length, kept=kept)
 
 
 @dataclass
