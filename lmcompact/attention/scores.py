@@ -83,15 +83,19 @@ def window_scores(
         k_pos = torch.arange(start, start + k.shape[2], device=queries.device)
         return logits.masked_fill(k_pos.view(1, 1, 1, 1, -1) > q_pos, float("-inf"))
 
+    # One chunk (the common case): compute the logits once instead of once per pass.
+    single = chunk_logits(0) if t <= chunk_size else None
     lse = torch.full((b, hkv, group, w, 1), float("-inf"), device=queries.device)
     for start in range(0, t, chunk_size):
-        lse = torch.logaddexp(lse, torch.logsumexp(chunk_logits(start), dim=-1, keepdim=True))
+        logits = single if single is not None else chunk_logits(start)
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1, keepdim=True))
     lse = lse.masked_fill(torch.isinf(lse), 0.0)  # queries that see nothing contribute 0
 
     mass = torch.empty(b, hkv, t, device=queries.device)
     attention = torch.empty(b, hkv, w, t, device=queries.device) if return_attention else None
     for start in range(0, t, chunk_size):
-        probs = torch.exp(chunk_logits(start) - lse)
+        logits = single if single is not None else chunk_logits(start)
+        probs = torch.exp(logits - lse)
         end = start + probs.shape[-1]
         mass[:, :, start:end] = probs.sum(dim=3).mean(dim=2)
         if attention is not None:
@@ -137,8 +141,11 @@ def cumulative_scores(
 ) -> torch.Tensor:
     """H2O's accumulated attention: mass per key summed over *every* prompt query.
 
-    Processes queries in blocks of ``query_chunk`` through :func:`window_scores`,
-    so memory stays ``O(query_chunk x key_chunk)``.
+    Queries go in blocks of ``query_chunk``; a block is scored only against the
+    keys it can see (causal), which halves the work of a prefill. A block whose
+    visible keys fit in ``key_chunk`` takes one pass (``exp(s - max)``, then the
+    row normalizers folded into a matrix product); longer ones go through
+    :func:`window_scores`, so memory stays ``O(query_chunk x key_chunk)``.
 
     Args:
         queries: ``(B, Hq, T, D)``; keys: ``(B, Hkv, T, D)``.
@@ -146,17 +153,34 @@ def cumulative_scores(
     Returns:
         ``(B, Hkv, T)`` float32.
     """
-    _check_shapes(queries, keys)
+    hkv, group = _check_shapes(queries, keys)
+    b, _hq, tq, d = queries.shape
     t = keys.shape[2]
-    tq = queries.shape[2]
-    total = torch.zeros(keys.shape[0], keys.shape[1], t, device=queries.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    total = torch.zeros(b, hkv, t, device=queries.device)
     for start in range(0, tq, query_chunk):
         block = queries[:, :, start : start + query_chunk]
-        positions = torch.arange(
-            t - tq + start, t - tq + start + block.shape[2], device=queries.device
-        )
-        mass, _ = window_scores(
-            block, keys, query_positions=positions, scale=scale, chunk_size=key_chunk
-        )
-        total += mass
+        n = block.shape[2]
+        first = t - tq + start  # position of the block's first query
+        visible = first + n
+        if visible > key_chunk:
+            positions = torch.arange(first, visible, device=queries.device)
+            mass, _ = window_scores(
+                block,
+                keys[:, :, :visible],
+                query_positions=positions,
+                scale=scale,
+                chunk_size=key_chunk,
+            )
+            total[:, :, :visible] += mass
+            continue
+        q = block.float().reshape(b, hkv, group * n, d) * scale
+        logits = torch.matmul(q, keys[:, :, :visible].float().transpose(-1, -2))
+        # causal: query i of the block (position first + i) sees keys <= first + i
+        hidden = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(diagonal=1)
+        tail = logits.view(b, hkv, group, n, visible)[..., first:]
+        tail.masked_fill_(hidden, float("-inf"))
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        weights = logits.sum(dim=-1).reciprocal_().unsqueeze(-2)  # (B, Hkv, 1, G*n)
+        total[:, :, :visible] += torch.matmul(weights, logits).squeeze(-2) / group
     return total

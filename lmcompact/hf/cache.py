@@ -145,9 +145,10 @@ class CompactingLayer(CacheLayerMixin):
         owner = self.owner
         if self.ragged is None:
             out = causal_sdpa(module, query, key, value, scaling, **kwargs)
-            start = time.perf_counter()
-            self.observation = observe_prefill(query, key, owner.needs, owner.window_size, scaling)
-            owner.stats["observe_s"] += time.perf_counter() - start
+            # adds observe_s and its window / cumulative parts (forks bill only their own)
+            self.observation = observe_prefill(
+                query, key, owner.needs, owner.window_size, scaling, timings=owner.stats
+            )
             if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
                 owner.compact()
             return out
@@ -383,10 +384,8 @@ class CompactingCache(Cache):
         self.plans = plans
         everything = all(p.total_kept == p.total_slots for p in plans)
         if self.decode_compaction and not everything:
-            self.decode_targets = [
-                max(int(p.kept_counts()[index].max()) for p in plans)
-                for index in range(len(layers))
-            ]
+            longest = torch.stack([p.kept_counts() for p in plans]).amax(dim=(0, 2))
+            self.decode_targets = [int(n) for n in longest]
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -101,12 +101,16 @@ def flat_scores_for(
     cumulative: torch.Tensor, kept: Sequence[Sequence[torch.Tensor]]
 ) -> torch.Tensor:
     """Ragged-ordered ``(N,)`` scores of the kept tokens from dense ``(B, H, T)`` scores."""
-    parts = [
-        cumulative[b, h, idx.to(cumulative.device)]
-        for b, heads in enumerate(kept)
-        for h, idx in enumerate(heads)
-    ]
-    return torch.cat(parts).float() if parts else cumulative.new_zeros(0)
+    flat = [idx.reshape(-1).to(torch.int64) for heads in kept for idx in heads]
+    if not flat:
+        return cumulative.new_zeros(0)
+    b, h, t = cumulative.shape
+    counts = torch.tensor([idx.numel() for idx in flat], dtype=torch.int64)
+    segs = torch.repeat_interleave(torch.arange(len(flat)), counts)
+    toks = torch.cat(flat)
+    return cumulative.reshape(b * h, t)[
+        segs.to(cumulative.device), toks.to(cumulative.device)
+    ].float()
 
 
 class TokenClassifier:

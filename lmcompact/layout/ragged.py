@@ -261,29 +261,27 @@ def ragged_from_dense(
             f"keys and values must be (batch, kv_heads, seq_len, head_dim) and equal; got "
             f"{tuple(keys.shape)} and {tuple(values.shape)}"
         )
-    b, h, t, d = keys.shape
+    b, h, t, _ = keys.shape
     if len(kept) != b or any(len(heads) != h for heads in kept):
         raise ValueError(f"kept indices must be given for {b} sequences x {h} kv heads")
+    flat_kept = [idx for heads in kept for idx in heads]
+    counts = torch.tensor([idx.numel() for idx in flat_kept], dtype=torch.int64)
+    toks = torch.cat([idx.reshape(-1).to(torch.int64) for idx in flat_kept]).to(keys.device)
+    if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= t):
+        segment = next(i for i, idx in enumerate(flat_kept) if ((idx < 0) | (idx >= t)).any())
+        raise ValueError(f"kept[{segment // h}][{segment % h}] has indices outside [0, {t})")
+    # One gather for the whole layer (no loop over heads); indexing the 4-D tensor
+    # directly avoids copying K/V laid out (B, T, H, D) by the model.
+    segs = torch.repeat_interleave(torch.arange(b * h), counts).to(keys.device)
+    batch_idx, head_idx = segs // h, segs % h
+    flat_k = keys[batch_idx, head_idx, toks]
+    flat_v = values[batch_idx, head_idx, toks]
     if positions is None:
-        positions = torch.arange(t, device=keys.device).expand(b, t)
-    seg_idx: list[torch.Tensor] = []
-    tok_idx: list[torch.Tensor] = []
-    counts: list[int] = []
-    for batch, heads in enumerate(kept):
-        for head, idx in enumerate(heads):
-            idx = idx.to(torch.int64).to(keys.device)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= t):
-                raise ValueError(f"kept[{batch}][{head}] has indices outside [0, {t})")
-            seg_idx.append(torch.full_like(idx, batch * h + head))
-            tok_idx.append(idx)
-            counts.append(idx.numel())
-    segs = torch.cat(seg_idx)
-    toks = torch.cat(tok_idx)
-    flat_k = keys.reshape(b * h, t, d)[segs, toks]
-    flat_v = values.reshape(b * h, t, d)[segs, toks]
-    flat_pos = positions.to(torch.int64).to(keys.device)[segs // h, toks]
+        flat_pos = toks.clone()
+    else:
+        flat_pos = positions.to(torch.int64).to(keys.device)[batch_idx, toks]
     cu = torch.zeros(b * h + 1, dtype=torch.int64, device=keys.device)
-    cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64, device=keys.device), dim=0)
+    cu[1:] = torch.cumsum(counts.to(keys.device), dim=0)
     return RaggedLayer(flat_k, flat_v, flat_pos, cu, h)
 
 
