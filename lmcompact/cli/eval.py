@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for lmcompact and the kvpress worker alike (default: torch's)",
+    )
+    parser.add_argument(
         "--compare",
         choices=["kvpress"],
         default=None,
@@ -116,11 +122,16 @@ def run(args: argparse.Namespace) -> int:
             haystack=args.haystack,
             prompt_format=args.prompt_format,
             seed=args.seed,
+            threads=args.threads,
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    if config.threads is not None:
+        import torch
+
+        torch.set_num_threads(config.threads)
     model, tokenizer, folder = load_model(config.model)
     runner = ModelRunner(model, tokenizer)
     samples = build_samples(tokenizer, config)

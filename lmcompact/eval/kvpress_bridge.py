@@ -52,6 +52,7 @@ def run_kvpress(
     job = {
         "model": folder,
         "new_tokens": config.new_tokens,
+        "threads": config.threads,
         "tasks": config.tasks,
         "presses": presses,
         "samples": [

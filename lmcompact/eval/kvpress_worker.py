@@ -5,7 +5,7 @@ Invoked by :mod:`lmcompact.eval.kvpress_bridge` as
 imports only the standard library, torch, transformers and kvpress (never
 lmcompact), because it runs under transformers < 5.3, which kvpress 0.5.5 pins.
 
-Job: ``{"model": folder, "new_tokens": n, "presses": [{"policy", "budget"}],
+Job: ``{"model": folder, "new_tokens": n, "threads": n | null, "presses": [{"policy", "budget"}],
 "samples": [{"context", "index", "needle_ids", "ppl_context", "ppl_continuation"}],
 "tasks": [...]}``. Output: one row per (sample, press) with the greedy tokens,
 the continuation NLL, the time spent inside ``press.compress`` and the bytes
@@ -157,6 +157,8 @@ def main(job_path: str, out_path: str) -> int:
 
     with open(job_path) as handle:
         job = json.load(handle)
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}

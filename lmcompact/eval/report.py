@@ -17,6 +17,8 @@ MEANS = (
     "cache_bytes",
     "full_bytes",
     "compaction_s",
+    "scores_s",
+    "select_s",
     "decode_compaction_s",
     "generate_s",
     "forward_s",
@@ -109,7 +111,39 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
                     + " |"
                 )
         sections.append("\n".join(lines))
+    timing = _timing_table(summary)
+    if timing:
+        sections.append(timing)
     return "\n\n".join(sections) + "\n"
+
+
+def _timing_table(summary: Sequence[dict[str, Any]]) -> str:
+    """Compaction seconds per (context, policy, impl) and budget, from the needle prompts."""
+    rows = [
+        r
+        for r in summary
+        if r["task"] == "needle" and r["policy"] != "full" and r.get("compaction_s") is not None
+    ]
+    if not rows:
+        return ""
+    budgets = sorted({r["budget"] for r in rows}, reverse=True)
+    header = ["context", "policy", "impl", *[f"b={b:g}" for b in budgets]]
+    lines = [
+        "### compaction time (s, needle prompt, mean over samples)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    cells = {(r["context"], r["policy"], r["impl"], r["budget"]): r for r in rows}
+    for context, policy, impl in sorted({(r["context"], r["policy"], r["impl"]) for r in rows}):
+        values = [
+            _fmt(cells[(context, policy, impl, b)]["compaction_s"])
+            if (context, policy, impl, b) in cells
+            else ""
+            for b in budgets
+        ]
+        lines.append("| " + " | ".join([str(context), policy, impl, *values]) + " |")
+    return "\n".join(lines)
 
 
 def _fmt(value: Any) -> str:

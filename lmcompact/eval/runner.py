@@ -43,6 +43,8 @@ class EvalConfig:
     haystack: str = "passkey"
     prompt_format: str = "plain"
     seed: int = 0
+    threads: int | None = None
+    """torch CPU threads for both lmcompact and the kvpress worker (None: torch's default)."""
 
     def __post_init__(self) -> None:
         if self.haystack not in tasks.HAYSTACKS:
@@ -63,6 +65,8 @@ class EvalConfig:
         for context in self.contexts:
             if context < 128:
                 raise ValueError(f"context must be >= 128 tokens, got {context}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.samples < 1 or self.new_tokens < 1 or self.ppl_tokens < 2:
             raise ValueError(
                 f"samples and new_tokens must be >= 1 and ppl_tokens >= 2; got {self.samples}, "
@@ -168,6 +172,8 @@ def _cache_facts(cache: Any) -> dict[str, Any]:
         "cache_bytes": cache.nbytes(),
         "full_bytes": cache.full_nbytes(),
         "compaction_s": cache.stats["observe_s"] + cache.stats["compact_s"],
+        "scores_s": cache.stats["observe_s"],
+        "select_s": cache.stats["compact_s"],
         "decode_compaction_s": cache.stats["decode_compact_s"],
     }
 
