@@ -14,6 +14,8 @@ Decode (``q_len = 1``) splits the keys over many programs (flash-decoding);
 a second kernel merges the splits by their log-sum-exp. With
 ``return_key_mass`` a third pass recomputes the probabilities with the final
 log-sum-exp and sums them per key (H2O / TOVA decode-time scores).
+float32 inputs take IEEE dot products unless ``torch.backends.cuda.matmul.allow_tf32``
+is set (see :func:`_dot_precision`).
 Reference: :func:`lmcompact.kernels.reference_paged.paged_attention_reference`.
 """
 
@@ -72,6 +74,7 @@ def _attn_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -112,7 +115,7 @@ def _attn_split_kernel(
             k = tl.load(
                 k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0
             )
-            s = tl.dot(q, k) * scale_log2
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -123,7 +126,7 @@ def _attn_split_kernel(
             v = tl.load(
                 v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -199,6 +202,7 @@ def _key_mass_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -235,7 +239,7 @@ def _key_mass_kernel(
                 mask=row_ok,
                 other=float("-inf"),
             )
-            s = tl.dot(q, k) * scale_log2
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             q_slot = seq - q_len + qi
             seen = (
                 c_ok[None, :]
@@ -261,6 +265,18 @@ def _check_lengths(lengths: PagedLengths, batch: int, hkv: int, device: torch.de
             raise ValueError(f"lengths must be int32/int64 on {device}, got {t.dtype} {t.device}")
     if not lengths.kept.is_contiguous():
         raise ValueError("lengths.kept must be contiguous")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Triton ``tl.dot`` input precision: float32 inputs follow torch's TF32 switch.
+
+    ``torch.backends.cuda.matmul.allow_tf32`` (off by default) decides, as for
+    torch's own float32 matmuls, so a float32 model gets the same logits as
+    SDPA to float32 rounding; float16/bfloat16 inputs keep Triton's default.
+    """
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 @functools.cache
@@ -367,6 +383,7 @@ def paged_attention(
         part_lse = torch.empty(num_splits, total_q, hq, dtype=torch.float32, device=device)
         part_strides = part.stride()[:3]
     kept = lengths.kept.contiguous()
+    precision = _dot_precision(queries.dtype)
     grid = (batch * hkv, m_tiles, num_splits)
     _attn_split_kernel[grid](
         queries,
@@ -395,6 +412,7 @@ def paged_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        DOT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -442,6 +460,7 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_M=16 if group <= 16 else 64,
             BLOCK_N=mass_block_n,
+            DOT_PRECISION=precision,
             num_warps=4,
         )
     return out, mass

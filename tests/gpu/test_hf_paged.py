@@ -1,11 +1,11 @@
 """PagedCache on CUDA against DynamicCache (tiny random Llama, no downloads; needs a GPU).
 
 Float K/V decode goes through the Triton paged kernel; int8 K/V, or any cache
-under ``force_reference()``, through the torch shared-block path. The kernel
-takes fp32 dot products in TF32, so decode is compared by *teacher-forced*
-logits (same tokens and beam reorders fed to both caches) with a tolerance;
-``generate`` tokens are compared on a model whose logits are far apart
-(``initializer_range`` 0.1), where TF32 rounding cannot flip a choice.
+under ``force_reference()``, through the torch shared-block path. Decode is
+compared by *teacher-forced* logits (same tokens and beam reorders fed to both
+caches) with a tolerance, and by ``generate`` tokens in float32 (the kernel
+takes IEEE float32 dot products unless TF32 is switched on in torch), on a
+model whose logits are far apart (``initializer_range`` 0.1).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _reset(cache: PagedCache) -> None:
     assert cache.pool.is_pristine()
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 def test_kernel_decode_matches_dynamic_cache(
     model: Any, prompt: torch.Tensor, dtype: torch.dtype, tol: float
 ) -> None:
