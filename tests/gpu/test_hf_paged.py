@@ -152,4 +152,4 @@ def test_compacted_kernel_decode_matches_torch_path(model: Any, prompt: torch.Te
         table = cache.paged_layers[0].table
         assert table is not None and table.tail_start > 0
         _reset(cache)
-    assert rel_err(runs[0], runs[1]) < 1e-2
+    assert rel_err(runs[0], runs[1]) < 1e-3
