@@ -27,6 +27,7 @@ from connectors.memory.planner import PrefillMode
 
 MEMORY_KEY = "memory"
 PREFILL_CHOICES = ("auto", "off", "pack", "blocks")
+DECODE_POLICIES = ("recent", "h2o")
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,16 @@ class MemoryConfig:
             (StreamingLLM at block granularity); ``"off"`` leaves prompts whole; ``"auto"``
             picks ``blocks`` for ``streaming_llm``, ``off`` for ``none``, else ``pack``.
         decode_budget_tokens: during generation, full-block tokens a request may hold
-            outside its hole (StreamingLLM eviction of the oldest non-sink block); a
-            multiple of the block size; None leaves generation unbounded.
+            outside its hole; a multiple of the block size; None leaves generation
+            unbounded.
+        decode_policy: what leaves when a request exceeds its decode budget. ``"recent"``
+            (StreamingLLM): the oldest block after the hole is dropped. ``"h2o"``
+            (Heavy-Hitter Oracle): that block is first merged into the request's kept
+            region, where each (layer, head) keeps its highest accumulated attention
+            mass (:mod:`connectors.memory.heavy_hitters`).
+        decode_recent_tokens: ``h2o`` only: recent tokens kept in order after the hole when
+            the hole opens during generation (block aligned); None: half the budget. The
+            kept region is the rest of the budget (or the prompt's packed kept blocks).
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
         per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
@@ -51,6 +60,8 @@ class MemoryConfig:
 
     prefill: str = "auto"
     decode_budget_tokens: int | None = None
+    decode_policy: str = "recent"
+    decode_recent_tokens: int | None = None
     sink_blocks: int = 1
     min_prompt_tokens: int = 0
     per_head: Mapping[str, Any] | None = None
@@ -90,6 +101,27 @@ class MemoryConfig:
                 f"memory.min_prompt_tokens must be an int >= 0, got {self.min_prompt_tokens!r}"
             )
         self.per_head_slack()  # raises on a bad per_head object
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(
+                f"memory.decode_policy must be one of {list(DECODE_POLICIES)}, "
+                f"got {self.decode_policy!r}"
+            )
+        recent = self.decode_recent_tokens
+        if recent is not None:
+            if self.decode_policy != "h2o":
+                raise ValueError("memory.decode_recent_tokens needs decode_policy 'h2o'")
+            if isinstance(recent, bool) or not isinstance(recent, int) or recent < 1:
+                raise ValueError(
+                    f"memory.decode_recent_tokens must be a positive int, got {recent!r}"
+                )
+        if self.decode_policy == "h2o":
+            if budget is None:
+                raise ValueError("memory.decode_policy 'h2o' needs decode_budget_tokens")
+            if self.per_head is not None:
+                raise ValueError(
+                    "memory.decode_policy 'h2o' with per_head counts is not supported (the "
+                    "merge keeps every head's count equal)"
+                )
 
     def per_head_slack(self) -> float | None:
         """The per-head slack, or None when every head keeps the same count."""
@@ -118,6 +150,11 @@ class MemoryConfig:
                     f"memory.prefill={self.prefill!r} needs a compacting policy and a "
                     f"budget < 1, got policy {policy!r}"
                 )
+        if self.decode_policy == "h2o" and mode is PrefillMode.BLOCKS:
+            raise ValueError(
+                "memory.decode_policy 'h2o' needs a kept region, but prefill mode 'blocks' "
+                "leaves only the sink blocks before the hole; use prefill 'pack' or 'off'"
+            )
         if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(
                 f"memory.per_head needs prefill mode 'pack' (per-head counts are packed), "
@@ -135,6 +172,29 @@ class MemoryConfig:
                 f"a multiple of the block size {block_size}"
             )
         return self.decode_budget_tokens // block_size
+
+    def decode_recent_blocks(self, block_size: int) -> int | None:
+        """``h2o``: recent blocks after a hole opened during generation (None for
+        ``recent``); ValueError when not block aligned or leaving no kept region."""
+        budget = self.decode_budget_blocks(block_size)
+        if self.decode_policy != "h2o" or budget is None:
+            return None
+        if self.decode_recent_tokens is None:
+            recent = budget // 2
+        elif self.decode_recent_tokens % block_size:
+            raise ValueError(
+                f"memory.decode_recent_tokens={self.decode_recent_tokens} must be a multiple "
+                f"of the block size {block_size}"
+            )
+        else:
+            recent = self.decode_recent_tokens // block_size
+        if budget - recent <= self.sink_blocks:
+            raise ValueError(
+                f"memory.decode_recent_tokens leaves {budget - recent} block(s) of the "
+                f"{budget}-block decode budget for the kept region; it needs more than the "
+                f"{self.sink_blocks} sink block(s)"
+            )
+        return recent
 
 
 def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], MemoryConfig]:

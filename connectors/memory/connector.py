@@ -14,7 +14,9 @@ Load it with::
 On top of :class:`connectors.lmcompact_connector.LMCompactConnector` (store save/load,
 hole skipping in attention), it compacts every fresh prompt in place when its prefill ends
 and returns the dropped blocks to vLLM's pool, grows holes during long generations to keep a
-request within a token budget, and returns the hole blocks of packed store loads. With
+request within a token budget (dropping the oldest block, or with ``"decode_policy": "h2o"``
+merging it into a kept region of heavy hitters: :mod:`connectors.memory.heavy_hitters`),
+and returns the hole blocks of packed store loads. With
 ``"per_head": {"slack": 1.5}`` each (layer, head) keeps the policy's own count (Ada-KV,
 PyramidKV, DuoAttention) and attention masks the padding:
 :mod:`connectors.memory.perhead_attention`.
@@ -32,6 +34,11 @@ import torch
 from connectors import vllm_shim as shim
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
+from connectors.memory.heavy_hitters import (
+    HeavyHitterScores,
+    MergeJob,
+    make_heavy_hitter_scores,
+)
 from connectors.memory.packing import WindowQueries, pack_in_place
 from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
 from connectors.memory.planner import HolePlanner
@@ -42,15 +49,24 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryMetadata(LMCompactMetadata):
-    """The base step metadata plus this step's in-place packs and the requests whose
-    blocks vLLM took back since the last step (the worker drops their per-head counts)."""
+    """The base step metadata plus this step's in-place packs, the requests whose blocks
+    vLLM took back since the last step (the worker drops their per-head counts and H2O
+    scores), and H2O decode: merges to run before the forward pass and the requests whose
+    decode attention is scored (first block -> request id)."""
 
     def __init__(
-        self, step: StepMetadata, packs: list[PackJob], forgotten: set[str] | None = None
+        self,
+        step: StepMetadata,
+        packs: list[PackJob],
+        forgotten: set[str] | None = None,
+        merges: list[MergeJob] | None = None,
+        scored: dict[int, str] | None = None,
     ) -> None:
         super().__init__(step)
         self.packs = packs
         self.forgotten = forgotten or set()
+        self.merges = merges or []
+        self.scored = scored or {}
 
 
 class LMCompactMemoryConnector(LMCompactConnector):
@@ -75,8 +91,16 @@ class LMCompactMemoryConnector(LMCompactConnector):
             decode_budget_blocks=self.memory.decode_budget_blocks(bs),
             min_prompt_blocks=max(2, self.memory.min_prompt_tokens // bs),
             per_head_slack=self.memory.per_head_slack(),
+            decode_recent_blocks=self.memory.decode_recent_blocks(bs),
         )
+        if self.planner.decode_recent_blocks is not None and self.facts.prefix_caching:
+            raise ValueError(
+                "memory.decode_policy 'h2o' rewrites a request's kept blocks in place, which "
+                "vLLM's prefix cache cannot represent: start vLLM with "
+                "enable_prefix_caching=False"
+            )
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
+        self.heavy: HeavyHitterScores | None = None  # worker side, with decode_policy h2o
         if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
             logger.info(
                 "decode budget with prefix caching on: shared or cached blocks in a "
@@ -99,10 +123,11 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 needs_scores=needs_scores(self._policy),
             )
         logger.info(
-            "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s sinks=%d",
+            "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s decode_policy=%s sinks=%d",
             role,
             self.planner.prefill_mode.value,
             self.memory.decode_budget_tokens,
+            self.memory.decode_policy,
             self.memory.sink_blocks,
         )
 
@@ -134,23 +159,35 @@ class LMCompactMemoryConnector(LMCompactConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
         step = super().build_connector_meta(scheduler_output).step
-        packs = self._memory().plan_step(scheduler_output, step)
-        if packs or not step.is_idle():
+        memory = self._memory()
+        packs = memory.plan_step(scheduler_output, step)
+        merges = memory.take_merges()
+        if packs or merges or not step.is_idle():
             # holes, captures and loads must be in place before the forward pass; vLLM
             # otherwise starts connector loads after it
             scheduler_output.has_sync_kv_loads = True
-        return MemoryMetadata(step, packs, self._memory().take_forgotten())
+        return MemoryMetadata(step, packs, memory.take_forgotten(), merges, dict(memory.scored))
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         if self.planner.per_head_slack is not None:
             self.perhead = make_perhead_attention(self._worker())
+        if self.planner.decode_recent_blocks is not None:
+            self.heavy = make_heavy_hitter_scores(self._worker())
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self.perhead is not None and isinstance(connector_metadata, MemoryMetadata):
+        if not isinstance(connector_metadata, MemoryMetadata):
+            return
+        if self.perhead is not None:
             self.perhead.begin_step(connector_metadata.step.holes, connector_metadata.forgotten)
+        if self.heavy is not None:
+            # merges read blocks vLLM took back in this step's schedule: before any load or
+            # forward pass of the step can write them
+            self.heavy.begin_step(
+                connector_metadata.merges, connector_metadata.scored, connector_metadata.forgotten
+            )
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata if self.has_connector_metadata() else None

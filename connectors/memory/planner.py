@@ -24,6 +24,15 @@ hole, the oldest block after the hole joins it::
 
 So a request holds at most ``budget_blocks`` full blocks plus the one being filled.
 
+With ``decode_recent_blocks`` r (H2O decode), a hole opened during generation starts after
+``budget_blocks - r`` blocks instead of the sinks, and every block about to join the hole is
+first merged into the kept region before it (the scheduler sends a
+:class:`connectors.memory.heavy_hitters.MergeJob`; the worker keeps each head's highest
+scored tokens there)::
+
+    [ sinks | kept region (heavy hitters) | hole ....... | b | recent ... | partial ]
+      b is merged into the kept region, then joins the hole
+
 Per-head counts (``per_head_slack`` s): the policy's counts differ per (layer, head), but one
 block row serves every head, so the hole starts after ``kr = min(ceil(kb * s), nb - 1)``
 reserved blocks; each head's kept tokens are packed into its first slots and padded to
@@ -107,6 +116,9 @@ class HolePlanner:
         per_head_slack: ``pack`` mode with per-head counts: blocks reserved per head are
             ``ceil(kept_blocks * slack)`` (at most all but one); None: every head keeps
             ``kept_blocks``.
+        decode_recent_blocks: H2O decode: recent blocks kept after a hole that opens during
+            generation (the kept region is ``decode_budget_blocks`` minus these); None:
+            StreamingLLM decode (the hole opens after the sinks).
     """
 
     def __init__(
@@ -118,6 +130,7 @@ class HolePlanner:
         decode_budget_blocks: int | None = None,
         min_prompt_blocks: int = 2,
         per_head_slack: float | None = None,
+        decode_recent_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -138,7 +151,16 @@ class HolePlanner:
         self.sink_blocks = sink_blocks
         if per_head_slack is not None and per_head_slack < 1.0:
             raise ValueError(f"per_head_slack must be >= 1, got {per_head_slack}")
+        if decode_recent_blocks is not None and (
+            decode_budget_blocks is None
+            or not 0 <= decode_recent_blocks < decode_budget_blocks - sink_blocks
+        ):
+            raise ValueError(
+                f"decode_recent_blocks must leave more than sink_blocks={sink_blocks} of "
+                f"decode_budget_blocks={decode_budget_blocks}, got {decode_recent_blocks}"
+            )
         self.decode_budget_blocks = decode_budget_blocks
+        self.decode_recent_blocks = decode_recent_blocks
         self.per_head_slack = per_head_slack
         self.min_prompt_blocks = max(2, min_prompt_blocks)
         self.holes: dict[str, HoleState] = {}
@@ -206,7 +228,9 @@ class HolePlanner:
         """Grow the hole so that at most ``decode_budget_blocks`` full blocks stay outside it.
 
         Only blocks whose tokens are all processed (``< processed_tokens``) join the hole, and
-        only once the prompt is processed and any pending pack has run.
+        only once the prompt is processed and any pending pack has run. With H2O decode the
+        caller must merge the blocks that joined (``[old stop, new stop)``) into the kept
+        region ``[0, hole.start)`` before anything reads or reuses them.
 
         Returns:
             True when the hole changed.
@@ -216,7 +240,10 @@ class HolePlanner:
             return False
         hole = self.holes.get(req_id)
         if hole is None:
-            hole = HoleState(first_block, self.sink_blocks, 0, visible_from=step)
+            start = self.sink_blocks
+            if self.decode_recent_blocks is not None:  # H2O: room for a kept region
+                start = budget - self.decode_recent_blocks
+            hole = HoleState(first_block, start, 0, visible_from=step)
             self.holes[req_id] = hole
         if not hole.owned or hole.visible_from > step:
             return False

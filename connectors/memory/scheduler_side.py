@@ -21,6 +21,12 @@ Timeline of one compacted prompt (step = one ``schedule()`` + forward)::
 A block released in schedule ``t+1`` can be handed to another request in that schedule
 and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
 so the pack in ``t`` has read it before anyone writes it.
+
+H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
+tokens are still needed; the :class:`connectors.memory.heavy_hitters.MergeJob` (with the
+block's physical id, taken before the release) goes into step ``t``'s metadata and the
+worker merges it when binding that metadata, before step ``t``'s loads and forward pass,
+the first things that may write the block again.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from connectors import vllm_shim as shim
 from connectors.compaction import SCORE_NEEDS
 from connectors.holes import Hole
 from connectors.memory.blocks import BlockLedger
+from connectors.memory.heavy_hitters import MergeJob
 from connectors.memory.planner import HolePlanner
 from connectors.metadata import CaptureSpec, StepMetadata
 
@@ -93,6 +100,8 @@ class MemoryScheduler:
         self.step = 0
         self.live: dict[str, Any] = {}
         self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
+        self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
+        self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
         self.stats = MemoryStats()
 
     # ------------------------------------------------------------------ binding
@@ -148,15 +157,38 @@ class MemoryScheduler:
         processed = int(request.num_computed_tokens) - int(
             getattr(request, "num_in_flight_tokens", 0) or 0
         )
-        self.planner.grow_for_decode(
+        before = self.planner.holes.get(req_id)
+        old_stop = None if before is None else before.stop
+        ids = [block.block_id for block in row]  # the merged blocks' ids, before release
+        grown = self.planner.grow_for_decode(
             req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
         )
+        hole = self.planner.holes.get(req_id)
+        if grown and hole is not None and self.planner.decode_recent_blocks is not None:
+            # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
+            first = hole.start if old_stop is None else old_stop
+            if hole.start > self.planner.sink_blocks:
+                self.merges.append(
+                    MergeJob(
+                        req_id,
+                        tuple(ids[: hole.start]),
+                        tuple(ids[first : hole.stop]),
+                        self.planner.sink_blocks * self.block_size,
+                    )
+                )
         self._release(req_id)
 
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
         self.live.pop(req_id, None)
+        self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
+
+    def take_merges(self) -> list[MergeJob]:
+        """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
+        requests whose blocks vLLM took back in the meantime)."""
+        merges, self.merges = self.merges, []
+        return merges
 
     def take_forgotten(self) -> set[str]:
         """Requests whose blocks vLLM took back since the last call (the worker drops their
@@ -188,6 +220,7 @@ class MemoryScheduler:
         ledger = self._ledger()
         packs: list[PackJob] = []
         step = self.step
+        self.scored = {}
         for sched in shim.scheduled_requests(scheduler_output):
             request = self.live.get(sched.req_id)
             row = ledger.block_ids(sched.req_id)
@@ -201,6 +234,8 @@ class MemoryScheduler:
                 )
                 self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
+            if self.planner.decode_recent_blocks is not None and lo >= prompt_len:
+                self.scored[row[0]] = sched.req_id  # H2O: accumulate its decode attention
             if self.capture:
                 self._plan_capture(sched.req_id, row, prompt_len, lo, hi, meta)
             if lo < prompt_len <= hi:
