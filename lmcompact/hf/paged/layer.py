@@ -50,7 +50,7 @@ class SharedPool:
     storage: KVStorage | None = None
     prefill_observer: Any = field(default=None)
     _vectors: dict[tuple[str, int, int, torch.device], torch.Tensor] = field(
-        default_factory=dict, repr=False
+        default_factory=dict, init=False, repr=False
     )
 
     def row_vector(self, kind: str, batch: int, value: int, device: torch.device) -> torch.Tensor:
