@@ -33,6 +33,11 @@ virtual slots. Those blocks were returned to vLLM's pool in the same ``schedule(
 earliest anyone writes them is that step's loads or forward pass, which run after the merge
 (same stream on CUDA), and the merge never touches them again.
 
+Where the kept region comes from: a prefill pack's kept blocks; otherwise the hole opens, once
+the budget is first exceeded, after ``budget - decode_recent_tokens`` blocks, so the first
+blocks of the sequence seed the kept region (a hole's start never moves: a kept region cannot
+grow behind it without copying, so starting from the sinks alone would leave no room).
+
 Limits: prompt tokens evicted before any decode query has scored them compete with score 0
 (the prompt's own attention is not accumulated); a prefill pack's kept tokens also start at
 0. Preemption drops the scores with the blocks. Per-head counts and StreamingLLM's
