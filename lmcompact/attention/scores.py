@@ -74,6 +74,8 @@ def window_scores(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if query_positions is None:
         query_positions = _default_positions(w, t, queries.device)
+    if t <= chunk_size:
+        return _window_scores_one_pass(queries, keys, query_positions, scale, return_attention)
     q = queries.float().reshape(b, hkv, group, w, d) * scale
     q_pos = query_positions.to(queries.device).view(1, 1, 1, w, 1)
 
@@ -83,24 +85,48 @@ def window_scores(
         k_pos = torch.arange(start, start + k.shape[2], device=queries.device)
         return logits.masked_fill(k_pos.view(1, 1, 1, 1, -1) > q_pos, float("-inf"))
 
-    # One chunk (the common case): compute the logits once instead of once per pass.
-    single = chunk_logits(0) if t <= chunk_size else None
     lse = torch.full((b, hkv, group, w, 1), float("-inf"), device=queries.device)
     for start in range(0, t, chunk_size):
-        logits = single if single is not None else chunk_logits(start)
-        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1, keepdim=True))
+        lse = torch.logaddexp(lse, torch.logsumexp(chunk_logits(start), dim=-1, keepdim=True))
     lse = lse.masked_fill(torch.isinf(lse), 0.0)  # queries that see nothing contribute 0
 
     mass = torch.empty(b, hkv, t, device=queries.device)
     attention = torch.empty(b, hkv, w, t, device=queries.device) if return_attention else None
     for start in range(0, t, chunk_size):
-        logits = single if single is not None else chunk_logits(start)
-        probs = torch.exp(logits - lse)
+        probs = torch.exp(chunk_logits(start) - lse)
         end = start + probs.shape[-1]
         mass[:, :, start:end] = probs.sum(dim=3).mean(dim=2)
         if attention is not None:
             attention[:, :, :, start:end] = probs.mean(dim=2)
     return mass, attention
+
+
+def _window_scores_one_pass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    return_attention: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`window_scores` when every key fits in one chunk: one ``(W x T)`` product,
+    in-place softmax, the causal mask written only where a key can follow a query."""
+    hkv, group = _check_shapes(queries, keys)
+    b, _hq, w, d = queries.shape
+    t = keys.shape[2]
+    q = queries.float().reshape(b, hkv, group * w, d) * scale
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hkv, group, w, t)
+    q_pos = query_positions.to(queries.device)
+    first = max(0, int(q_pos.min()) + 1)  # keys before this are visible to every query
+    if first < t:
+        k_pos = torch.arange(first, t, device=queries.device)
+        logits[..., first:].masked_fill_(k_pos.view(1, -1) > q_pos.view(-1, 1), float("-inf"))
+    top = logits.amax(dim=-1, keepdim=True)
+    top.masked_fill_(torch.isinf(top), 0.0)  # queries that see nothing contribute 0
+    logits.sub_(top).exp_()
+    total = logits.sum(dim=-1, keepdim=True)
+    logits.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total)))
+    rows = logits.mean(dim=2)  # (B, Hkv, W, T): GQA-averaged per-query rows
+    return rows.sum(dim=2), rows if return_attention else None
 
 
 def window_scores_naive(

@@ -298,9 +298,10 @@ class CompactingCache(Cache):
         if self.plans is not None or any(layer.keys is None for layer in self._layers()):
             raise ValueError("fork() needs a recorder cache after exactly one prefill forward")
         new = CompactingCache(self.model, policy, tokenizer=self.tokenizer, **options)
-        if new.window_size != self.window_size and new.needs & (
-            Need.WINDOW_SCORES | Need.WINDOW_ATTENTION
-        ):
+        reads_window = bool(new.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION))
+        # A shorter window is the tail of the recorded per-query rows (TOVA reads one).
+        shorter = new.window_size < self.window_size and Need.WINDOW_ATTENTION in self.needs
+        if reads_window and new.window_size != self.window_size and not shorter:
             raise ValueError(
                 f"policy window {new.window_size} differs from the recorded {self.window_size}"
             )
@@ -316,9 +317,12 @@ class CompactingCache(Cache):
             theirs.is_initialized = True
             theirs.keys, theirs.values = mine.keys, mine.values
             theirs.observation = mine.observation
+            if reads_window and shorter and mine.observation is not None:
+                theirs.observation = _tail_window(mine.observation, new.window_size)
             theirs.seen = mine.seen
         observe = 0.0
-        if new.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION):
+        if reads_window:
+            # billed in full even for a shorter window: an upper bound of its own cost
             observe += self.stats["observe_window_s"]
         if Need.CUMULATIVE_SCORES in new.needs:
             observe += self.stats["observe_cumulative_s"]
@@ -478,3 +482,14 @@ class CompactingCache(Cache):
             plan = self.policy.plan(inputs)
             keep.extend(plan.kept[0])
         return ragged.gather(keep)
+
+
+def _tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
+    """The observation of the last ``window`` queries of a recorded longer window."""
+    assert obs.window_attention is not None
+    rows = obs.window_attention[:, :, -window:]
+    return PrefillObservation(
+        window_scores=rows.sum(dim=2),
+        window_attention=rows,
+        cumulative_scores=obs.cumulative_scores,
+    )

@@ -261,7 +261,7 @@ def ragged_from_dense(
             f"keys and values must be (batch, kv_heads, seq_len, head_dim) and equal; got "
             f"{tuple(keys.shape)} and {tuple(values.shape)}"
         )
-    b, h, t, _ = keys.shape
+    b, h, t, d = keys.shape
     if len(kept) != b or any(len(heads) != h for heads in kept):
         raise ValueError(f"kept indices must be given for {b} sequences x {h} kv heads")
     flat_kept = [idx for heads in kept for idx in heads]
@@ -270,16 +270,18 @@ def ragged_from_dense(
     if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= t):
         segment = next(i for i, idx in enumerate(flat_kept) if ((idx < 0) | (idx >= t)).any())
         raise ValueError(f"kept[{segment // h}][{segment % h}] has indices outside [0, {t})")
-    # One gather for the whole layer (no loop over heads); indexing the 4-D tensor
-    # directly avoids copying K/V laid out (B, T, H, D) by the model.
+    # One row gather per tensor for the whole layer (no loop over heads): row
+    # segment * T + token of the (B*H*T, D) view. index_select on rows is the
+    # fastest CPU gather measured, even counting the copy reshape makes of K/V
+    # that the model laid out (B, T, H, D).
     segs = torch.repeat_interleave(torch.arange(b * h), counts).to(keys.device)
-    batch_idx, head_idx = segs // h, segs % h
-    flat_k = keys[batch_idx, head_idx, toks]
-    flat_v = values[batch_idx, head_idx, toks]
+    rows = segs * t + toks
+    flat_k = keys.reshape(b * h * t, d).index_select(0, rows)
+    flat_v = values.reshape(b * h * t, d).index_select(0, rows)
     if positions is None:
         flat_pos = toks.clone()
     else:
-        flat_pos = positions.to(torch.int64).to(keys.device)[batch_idx, toks]
+        flat_pos = positions.to(torch.int64).to(keys.device).reshape(-1)[(segs // h) * t + toks]
     cu = torch.zeros(b * h + 1, dtype=torch.int64, device=keys.device)
     cu[1:] = torch.cumsum(counts.to(keys.device), dim=0)
     return RaggedLayer(flat_k, flat_v, flat_pos, cu, h)

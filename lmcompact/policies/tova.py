@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -46,6 +47,8 @@ class TOVA(ScorePolicy):
     name = "tova"
     needs = Need.WINDOW_ATTENTION
     phases = Phase.BOTH
+    #: Observation window a cache captures for TOVA: only the last query's row is read.
+    window_size: ClassVar[int] = 1
 
     def check_inputs(self, inputs: CompactionInputs) -> None:
         check_structure(self.name, inputs)
