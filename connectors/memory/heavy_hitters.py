@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from connectors.kv_layout import PageLayout
+from connectors.memory.observer import PageObserver, worker_pages
 from connectors.memory.perhead_attention import token_major_pools
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.layout.paged import PagedLengths, vllm_kv_views
@@ -159,16 +160,11 @@ class _ScoredRows:
     validated: bool = False
 
 
-class HeavyHitterScores:
+class HeavyHitterScores(PageObserver[_ScoredRows]):
     """Worker-side H2O state: accumulated mass per request, merges (an attention observer).
 
-    Args:
-        layout: page layout of ``kv_caches``.
-        kv_caches: per layer name, the paged cache ``(num_blocks, Hkv, block_size, 2 * D)``.
-        layer_index: layer name -> index into the scores.
-        scales: layer name -> softmax scale.
-        head_dim: D.
-        num_kv_heads: Hkv.
+    Args: those of :class:`connectors.memory.observer.PageObserver` (``layer_index`` indexes
+    the scores), and ``num_kv_heads`` (Hkv).
     """
 
     def __init__(
@@ -180,16 +176,11 @@ class HeavyHitterScores:
         head_dim: int,
         num_kv_heads: int,
     ) -> None:
-        self.layout = layout
-        self.kv_caches = dict(kv_caches)
-        self.layer_index = dict(layer_index)
-        self.scales = dict(scales)
-        self.head_dim = head_dim
+        super().__init__(layout, kv_caches, layer_index, scales, head_dim)
         self.num_kv_heads = num_kv_heads
         self.device = next(iter(self.kv_caches.values())).device
         self.scores: dict[str, torch.Tensor] = {}  # req -> (L, Hkv, capacity) float32
         self.scored: dict[int, str] = {}  # this step: first physical block -> req
-        self._rows: dict[int, tuple[Any, _ScoredRows | None]] = {}
         self.stats: dict[str, int] = {"merges": 0, "merged_tokens": 0, "mass_calls": 0}
 
     # ------------------------------------------------------------------ state
@@ -235,7 +226,7 @@ class HeavyHitterScores:
             self.stats["merges"] += 1
             self.stats["merged_tokens"] += len(job.merged_blocks) * bs
         self.scored = dict(scored)
-        self._rows = {}
+        self._new_step()
 
     # ------------------------------------------------------------------ attention
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
@@ -289,14 +280,6 @@ class HeavyHitterScores:
         )
         assert mass is not None
         return mass
-
-    def _batch_rows(self, metadata: Any, device: torch.device) -> _ScoredRows | None:
-        cached = self._rows.get(id(metadata))
-        if cached is not None and cached[0] is metadata:
-            return cached[1]
-        built = self._build_rows(metadata, device)
-        self._rows[id(metadata)] = (metadata, built)  # holding it keeps its id unique
-        return built
 
     def _build_rows(self, metadata: Any, device: torch.device) -> _ScoredRows | None:
         num_reqs = int(metadata.query_start_loc.numel()) - 1
@@ -361,13 +344,6 @@ def key_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.T
 def make_heavy_hitter_scores(worker: Any) -> HeavyHitterScores:
     """Build the H2O state for a :class:`connectors.worker_side.WorkerHalf` whose KV caches
     are registered, and append it to the worker's after-attention observers."""
-    scores = HeavyHitterScores(
-        worker.layout,
-        worker.kv_caches,
-        worker.layer_index,
-        {name: float(layer.impl.scale) for name, layer in worker.layers.items()},
-        worker.facts.head_dim,
-        worker.facts.num_kv_heads,
-    )
+    scores = HeavyHitterScores(**worker_pages(worker), num_kv_heads=worker.facts.num_kv_heads)
     worker.observers.append(scores)
     return scores

@@ -47,6 +47,7 @@ import torch
 
 from connectors.holes import Hole
 from connectors.kv_layout import PageLayout
+from connectors.memory.observer import PageObserver, worker_pages
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.layout.paged import PagedLengths, vllm_kv_views
 
@@ -83,15 +84,11 @@ class _Rows:
     validated: bool = False
 
 
-class PerHeadAttention:
+class PerHeadAttention(PageObserver[_Rows]):
     """Worker-side counts per request plus the after-attention recompute (an observer).
 
-    Args:
-        layout: page layout of ``kv_caches``.
-        kv_caches: per layer name, the paged cache ``(num_blocks, Hkv, block_size, 2 * D)``.
-        layer_index: layer name -> index into the counts.
-        scales: layer name -> softmax scale.
-        head_dim: D.
+    Args: those of :class:`connectors.memory.observer.PageObserver` (``layer_index`` indexes
+    the counts).
     """
 
     def __init__(
@@ -102,15 +99,10 @@ class PerHeadAttention:
         scales: Mapping[str, float],
         head_dim: int,
     ) -> None:
-        self.layout = layout
-        self.kv_caches = dict(kv_caches)
-        self.layer_index = dict(layer_index)
-        self.scales = dict(scales)
-        self.head_dim = head_dim
+        super().__init__(layout, kv_caches, layer_index, scales, head_dim)
         self.block_size = layout.block_size
         self.entries: dict[str, HeadCounts] = {}
         self.holes: dict[int, Hole] = {}
-        self._rows: dict[int, tuple[Any, _Rows | None]] = {}
         self.stats: dict[str, int] = {"requests": 0, "calls": 0, "query_rows": 0}
 
     # ------------------------------------------------------------------ state
@@ -138,7 +130,7 @@ class PerHeadAttention:
         for req_id in forgotten:
             self.entries.pop(req_id, None)
         self.holes = dict(holes)
-        self._rows = {}
+        self._new_step()
 
     # ------------------------------------------------------------------ attention
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
@@ -174,15 +166,6 @@ class PerHeadAttention:
         output.view(output.shape[0], -1, d)[rows.query_index] = out.to(output.dtype)
         self.stats["calls"] += 1
         self.stats["query_rows"] += int(rows.query_index.numel())
-
-    def _batch_rows(self, metadata: Any, device: torch.device) -> _Rows | None:
-        """The rows of ``metadata``, built at its first layer of the step."""
-        cached = self._rows.get(id(metadata))
-        if cached is not None and cached[0] is metadata:
-            return cached[1]
-        built = self._build_rows(metadata, device)
-        self._rows[id(metadata)] = (metadata, built)  # holding it keeps its id unique
-        return built
 
     def _build_rows(self, metadata: Any, device: torch.device) -> _Rows | None:
         by_first = {e.first_block: (req_id, e) for req_id, e in self.entries.items()}
@@ -261,12 +244,6 @@ def token_major_pools(
 def make_perhead_attention(worker: Any) -> PerHeadAttention:
     """Build the recompute for a :class:`connectors.worker_side.WorkerHalf` whose KV caches
     are registered, and append it to the worker's after-attention observers."""
-    perhead = PerHeadAttention(
-        worker.layout,
-        worker.kv_caches,
-        worker.layer_index,
-        {name: float(layer.impl.scale) for name, layer in worker.layers.items()},
-        worker.facts.head_dim,
-    )
+    perhead = PerHeadAttention(**worker_pages(worker))
     worker.observers.append(perhead)
     return perhead
