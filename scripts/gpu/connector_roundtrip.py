@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -44,20 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:
-    import msgpack  # noqa: F401  (the store's codec needs it; the GPU machine may lack it)
-except ImportError:  # pure-Python copy carried in .vcarry/py (git-ignored)
-    sys.path.append(str(ROOT / ".vcarry" / "py"))
-
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from device_env import ROOT, block_size, environment, on_cuda  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -133,14 +122,6 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------- engine
-def on_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
-def block_size() -> int:
-    return 16 if on_cuda() else 32
-
-
 @contextmanager
 def engine(
     model: Path, extra: dict[str, Any] | None, *, prefix_caching: bool = False
@@ -473,20 +454,6 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- main
-def environment() -> dict[str, Any]:
-    from connectors.vllm_shim import vllm_version
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm_version(),
-        "cuda": on_cuda(),
-    }
-    if on_cuda():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
-
-
 def summary_line(result: dict[str, Any]) -> str:
     tag = "PASS" if result.get("pass") else "FAIL"
     policy = f"-{result['policy']}" if "policy" in result else ""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from device_env import environment  # noqa: E402
 from perhead_check import (  # noqa: E402  (sets the vLLM environment and sys.path first)
     block_size,
     engine,
@@ -195,16 +195,7 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    from connectors.vllm_shim import vllm_version
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm_version(),
-        "cuda": on_cuda(),
-    }
-    if on_cuda():
-        env["gpu"] = torch.cuda.get_device_name(0)
+    env = environment()
     print("environment:", json.dumps(env), flush=True)
     began = time.time()
     try:

@@ -34,7 +34,6 @@ import gc
 import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -44,28 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-try:
-    import msgpack  # noqa: F401  (the store's codec needs it; the GPU machine may lack it)
-except ImportError:  # pure-Python copy carried in .vcarry/py (git-ignored)
-    sys.path.append(str(ROOT / ".vcarry" / "py"))
-
-import torch  # noqa: E402
-
-
-def on_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
-def block_size() -> int:
-    return 16 if on_cuda() else 32
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from device_env import ROOT, block_size, environment, on_cuda
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -570,16 +550,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     began = time.time()
-    from connectors.vllm_shim import vllm_version
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm_version(),
-        "cuda": on_cuda(),
-    }
-    if on_cuda():
-        env["gpu"] = torch.cuda.get_device_name(0)
+    env = environment()
     print("environment:", json.dumps(env), flush=True)
     results: list[dict[str, Any]] = []
     jobs: list[tuple[str, Any]] = [("perhead", check_perhead)]
