@@ -25,7 +25,11 @@ def in_process_env(kv_cache_gib: int = 2) -> None:
 
 
 def transfer_config(extra: Mapping[str, Any]) -> Any:
-    """A ``KVTransferConfig`` that loads :class:`LMCompactConnector` with ``extra`` options."""
+    """A ``KVTransferConfig`` that loads :class:`LMCompactConnector` with ``extra`` options
+    (checked first, so a bad option fails before vLLM loads the model)."""
+    from connectors.preflight import check_extra_config
+
+    check_extra_config("LMCompactConnector", extra)
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
