@@ -146,7 +146,6 @@ def test_eviction_policy_names():
         ("gpu_capacity_bytes", -5),
         ("redis_url", "http://localhost"),
         ("eviction", "random"),
-        ("checksum", "md5"),
         ("redis_queue_size", 0),
         ("redis_backoff_initial_s", 100.0),
         ("redis_ttl_s", 0),
