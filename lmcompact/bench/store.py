@@ -8,10 +8,12 @@ measured against a baseline run in the same process on the same bytes:
 * codec encode+decode     vs  the same copy;
 * Redis tier put+get      vs  raw redis-py pipelined SET+GET of equal-sized byte values.
 
-Each timed repetition runs the baseline and the measured path back to back on the same
-bytes, and a ratio is the median over repetitions of baseline time / measured time
-(1.0 = as fast as the baseline), so load from other processes on a shared host hits both
-sides of one ratio alike. Throughputs (GB/s) are payload bytes over the median time.
+Each timed round runs every baseline and every measured path once, back to back, on the
+same bytes; a ratio is the median over rounds of baseline time / measured time (1.0 = as
+fast as the baseline), so load from other processes on a shared host hits both sides of one
+ratio alike. Rounds come in ``--repeats`` passes over all budgets (``--iters`` rounds per
+budget each pass), so a burst of load spreads over budgets instead of spoiling one.
+Throughputs (GB/s) are payload bytes over the median time.
 
 * ``codec_vs_memcpy``: encode (frame head + xxh3-128 over header and payload, the payload
   left in place as views) plus decode (checks, xxh3-128, tensors viewing the received bytes)
@@ -54,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budgets", default="1.0,0.5,0.25", help="kept fractions of a chunk")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per batch")
-    parser.add_argument("--iters", type=int, default=15, help="timed repetitions (median kept)")
+    parser.add_argument("--iters", type=int, default=5, help="timed rounds per budget and pass")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="passes over all budgets (medians pool all rounds)"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -74,28 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _median_time(fn: Callable[[], object], iters: int, reset: Callable[[], object] | None) -> float:
-    times = []
-    for i in range(iters + 1):  # first run warms up
-        if reset is not None:
-            reset()
-        start = time.perf_counter()
-        fn()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _paired_times(fns: Sequence[Callable[[], object]], iters: int) -> list[list[float]]:
-    """Per function, its times over ``iters`` rounds; each round runs every function once,
-    in order (after one untimed warm-up round)."""
-    times: list[list[float]] = [[] for _ in fns]
+def _rounds(
+    steps: Sequence[tuple[str, Callable[[], object], Callable[[], object] | None]], iters: int
+) -> dict[str, list[float]]:
+    """Times of each named step over ``iters`` rounds; a round runs every step once, in
+    order, each after its (untimed) reset. One untimed warm-up round comes first."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in steps}
     for i in range(iters + 1):
-        for fn, out in zip(fns, times, strict=True):
+        for name, fn, reset in steps:
+            if reset is not None:
+                reset()
             start = time.perf_counter()
             fn()
             if i:
-                out.append(time.perf_counter() - start)
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -103,158 +100,201 @@ def _median_ratio(base: Sequence[float], other: Sequence[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, other, strict=True))
 
 
-def _make_chunks(args: argparse.Namespace, budget: float) -> list[CompactedChunk]:
+def _sum(*series: Sequence[float]) -> list[float]:
+    return [sum(v) for v in zip(*series, strict=True)]
+
+
+def _make_chunks(
+    args: argparse.Namespace, budget: float
+) -> tuple[list[CompactedChunk], list[torch.Tensor]]:
+    """``args.chunks`` chunks of ``budget``, each packed in one buffer (as in the memory
+    tiers); returns the chunks and their buffers."""
     dtype = SUPPORTED_DTYPES[args.dtype]
     kept = max(1, round(args.chunk_tokens * budget))
-    out = []
+    chunks, buffers = [], []
     for seed in range(args.chunks):
         g = torch.Generator().manual_seed(seed)
         shape = (args.layers, args.kv_heads, kept, args.head_dim)
         k = torch.randn(shape, generator=g).to(dtype)
         v = torch.randn(shape, generator=g).to(dtype)
         pos = torch.randperm(args.chunk_tokens, generator=g)[:kept].sort().values
-        out.append(CompactedChunk.from_dense(k, v, pos, num_tokens=args.chunk_tokens))
-    return out
+        chunk = CompactedChunk.from_dense(k, v, pos, num_tokens=args.chunk_tokens)
+        buf = torch.empty(chunk.payload_nbytes, dtype=torch.uint8)
+        chunks.append(chunk.pack_into(buf))
+        buffers.append(buf)
+    return chunks, buffers
 
 
-def _memory_tier_times(
-    tier: MemoryTier, keys: list[Any], chunks: list[CompactedChunk], iters: int
-) -> tuple[float, float]:
+class _BudgetCase:
+    """Everything measured at one budget, set up once and timed in rounds."""
+
+    def __init__(self, args: argparse.Namespace, budget: float, redis_url: str | None) -> None:
+        self.budget = budget
+        ns = StoreNamespace("bench", args.dtype, "bench", policy_params={"budget": budget})
+        self.keys = ChunkKeyer(ns, args.chunk_tokens).keys(
+            list(range(args.chunk_tokens * args.chunks))
+        )
+        # the memcpy baseline copies exactly the buffers the codec and the tiers read
+        self.chunks, self.srcs = _make_chunks(args, budget)
+        self.dsts = [torch.empty_like(s) for s in self.srcs]
+        self.nbytes = sum(c.payload_nbytes for c in self.chunks)
+        cap = 2 * self.nbytes
+        self.memory_tiers: list[MemoryTier] = [CPUTier(cap), GPUTier(cap)]
+        self.codec = ChunkCodec(ns)
+        self.received = [self.codec.encode(c).tobytes() for c in self.chunks]
+        self.redis = (
+            _RedisCase(redis_url, self.codec, self.keys, self.chunks) if redis_url else None
+        )
+        self.samples: dict[str, list[float]] = {}
+
+    def steps(self) -> list[tuple[str, Callable[[], object], Callable[[], object] | None]]:
+        out: list[tuple[str, Callable[[], object], Callable[[], object] | None]] = [
+            ("memcpy", self._memcpy, None),
+            ("encode", self._encode, None),
+            ("decode", self._decode, None),
+        ]
+        for tier in self.memory_tiers:
+            out.append(
+                (
+                    f"{tier.name}_put",
+                    _tier_put(tier, self.keys, self.chunks),
+                    _tier_reset(tier, self.keys),
+                )
+            )
+            out.append((f"{tier.name}_get", _tier_get(tier, self.keys), None))
+        if self.redis is not None:
+            out += self.redis.steps()
+        return out
+
+    def measure(self, iters: int) -> None:
+        for name, times in _rounds(self.steps(), iters).items():
+            self.samples.setdefault(name, []).extend(times)
+
+    def row(self) -> dict[str, Any]:
+        t = self.samples
+        med = statistics.median
+        gbps = {name: self.nbytes / med(times) / 1e9 for name, times in t.items()}
+        row: dict[str, Any] = {
+            "budget": self.budget,
+            "chunk_mib": self.chunks[0].payload_nbytes / 2**20,
+            "rounds": len(t["memcpy"]),
+            "memcpy_gbps": gbps["memcpy"],
+        }
+        for tier in self.memory_tiers:
+            row[f"{tier.name}_device"] = str(tier.device)
+            row[f"{tier.name}_put_gbps"] = gbps[f"{tier.name}_put"]
+            row[f"{tier.name}_get_gbps"] = gbps[f"{tier.name}_get"]
+            row[f"{tier.name}_vs_memcpy"] = _median_ratio(
+                t["memcpy"], _sum(t[f"{tier.name}_put"], t[f"{tier.name}_get"])
+            )
+        row["encode_gbps"] = gbps["encode"]
+        row["decode_gbps"] = gbps["decode"]
+        row["codec_vs_memcpy"] = _median_ratio(t["memcpy"], _sum(t["encode"], t["decode"]))
+        if self.redis is not None:
+            for name in ("raw_set", "raw_get", "redis_put", "redis_get"):
+                row[f"{name}_gbps"] = gbps[name]
+            row["redis_vs_raw"] = _median_ratio(
+                _sum(t["raw_set"], t["raw_get"]), _sum(t["redis_put"], t["redis_get"])
+            )
+        return row
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+
+    def _memcpy(self) -> None:
+        for s, d in zip(self.srcs, self.dsts, strict=True):
+            d.copy_(s)
+
+    def _encode(self) -> None:
+        for c in self.chunks:
+            self.codec.encode(c)
+
+    def _decode(self) -> None:
+        for v in self.received:  # what a reader gets from Redis
+            self.codec.decode(v)
+
+
+def _tier_put(
+    tier: MemoryTier, keys: Sequence[Any], chunks: Sequence[CompactedChunk]
+) -> Callable[[], None]:
     def put() -> None:
         for k, c in zip(keys, chunks, strict=True):
             if not tier.put(k, c):
                 raise RuntimeError(f"{tier.name} tier refused a put")
 
+    return put
+
+
+def _tier_get(tier: MemoryTier, keys: Sequence[Any]) -> Callable[[], None]:
     def get() -> None:
         for k in keys:
             if tier.get(k) is None:
                 raise RuntimeError(f"{tier.name} tier lost an entry")
 
+    return get
+
+
+def _tier_reset(tier: MemoryTier, keys: Sequence[Any]) -> Callable[[], None]:
     def reset() -> None:
         for k in keys:
             tier.delete(k)
 
-    t_put = _median_time(put, iters, reset)
-    t_get = _median_time(get, iters, None)
-    return t_put, t_get
+    return reset
 
 
-def _bench_budget(
-    args: argparse.Namespace, budget: float, redis_url: str | None, step: Callable[[], None]
-) -> dict[str, Any]:
-    ns = StoreNamespace("bench", args.dtype, "bench", policy_params={"budget": budget})
-    keys = ChunkKeyer(ns, args.chunk_tokens).keys(list(range(args.chunk_tokens * args.chunks)))
-    chunks = _make_chunks(args, budget)
-    nbytes = sum(c.payload_nbytes for c in chunks)
-    row: dict[str, Any] = {"budget": budget, "chunk_mib": chunks[0].payload_nbytes / 2**20}
+class _RedisCase:
+    """The Redis tier against raw redis-py on the same server, same sizes."""
 
-    # Each chunk lives packed in one buffer (as in the memory tiers), and the memcpy baseline
-    # copies exactly that buffer: the bytes the codec reads when it encodes the chunk.
-    srcs = [torch.empty(c.payload_nbytes, dtype=torch.uint8) for c in chunks]
-    chunks = [c.pack_into(s) for s, c in zip(srcs, chunks, strict=True)]
-    dsts = [torch.empty_like(s) for s in srcs]
+    def __init__(
+        self, url: str, codec: ChunkCodec, keys: Sequence[Any], chunks: Sequence[CompactedChunk]
+    ) -> None:
+        import redis
 
-    def memcpy() -> None:
-        for s, d in zip(srcs, dsts, strict=True):
-            d.copy_(s)
+        from lmcompact.store.tiers.redis_tier import RedisTier
 
-    t_memcpy = _median_time(memcpy, args.iters, None)
-    row["memcpy_gbps"] = nbytes / t_memcpy / 1e9
-    step()
+        self.client = redis.Redis.from_url(url)
+        self.raw_keys = [f"lmc-bench-raw:{i}".encode() for i in range(len(chunks))]
+        self.raw_values = [bytes(len(codec.encode(c))) for c in chunks]
+        self.tier = RedisTier(url, codec)
+        self.keys = list(keys)
+        self.items = list(zip(keys, chunks, strict=True))
 
-    cap = 2 * nbytes
-    for name, tier in (("cpu", CPUTier(cap)), ("gpu", GPUTier(cap))):
-        t_put, t_get = _memory_tier_times(tier, keys, chunks, args.iters)
-        row[f"{name}_device"] = str(tier.device)
-        row[f"{name}_put_gbps"] = nbytes / t_put / 1e9
-        row[f"{name}_get_gbps"] = nbytes / t_get / 1e9
-        row[f"{name}_vs_memcpy"] = t_memcpy / (t_put + t_get)
-        step()
+    def steps(self) -> list[tuple[str, Callable[[], object], Callable[[], object] | None]]:
+        return [
+            ("raw_set", self._raw_set, None),
+            ("raw_get", self._raw_get, None),
+            ("redis_put", self._put, None),
+            ("redis_get", self._get, None),
+        ]
 
-    codec = ChunkCodec(ns)
-    received = [codec.encode(c).tobytes() for c in chunks]  # what a reader gets from Redis
-
-    def encode() -> None:
-        for c in chunks:
-            codec.encode(c)
-
-    def decode() -> None:
-        for v in received:
-            codec.decode(v)
-
-    t_copy, t_enc, t_dec = _paired_times([memcpy, encode, decode], args.iters)
-    row["encode_gbps"] = nbytes / statistics.median(t_enc) / 1e9
-    row["decode_gbps"] = nbytes / statistics.median(t_dec) / 1e9
-    row["codec_vs_memcpy"] = _median_ratio(
-        t_copy, [e + d for e, d in zip(t_enc, t_dec, strict=True)]
-    )
-    step()
-
-    if redis_url is not None:
-        row.update(_bench_redis(redis_url, codec, keys, chunks, args.iters))
-    step()
-    return row
-
-
-def _bench_redis(
-    url: str,
-    codec: ChunkCodec,
-    keys: list[Any],
-    chunks: list[CompactedChunk],
-    iters: int,
-) -> dict[str, float]:
-    import redis
-
-    from lmcompact.store.tiers.redis_tier import RedisTier
-
-    nbytes = sum(c.payload_nbytes for c in chunks)
-    client = redis.Redis.from_url(url)
-    raw_keys = [f"lmc-bench-raw:{i}".encode() for i in range(len(chunks))]
-    raw_values = [bytes(len(codec.encode(c))) for c in chunks]
-
-    def raw_set() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k, v in zip(raw_keys, raw_values, strict=True):
+    def _raw_set(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in zip(self.raw_keys, self.raw_values, strict=True):
             pipe.set(k, v)
         pipe.execute()
 
-    def raw_get() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k in raw_keys:
+    def _raw_get(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k in self.raw_keys:
             pipe.get(k)
         if any(v is None for v in pipe.execute()):
             raise RuntimeError("raw redis lost a value")
 
-    tier = RedisTier(url, codec)
-    items = list(zip(keys, chunks, strict=True))
-
-    def tier_put() -> None:
-        if not all(tier.put_many(items)):
+    def _put(self) -> None:
+        if not all(self.tier.put_many(self.items)):
             raise RuntimeError("redis tier refused a put")
 
-    def tier_get() -> None:
-        if any(c is None for c in tier.get_many(keys)):
+    def _get(self) -> None:
+        if any(c is None for c in self.tier.get_many(self.keys)):
             raise RuntimeError("redis tier lost an entry")
 
-    t_raw_set, t_raw_get, t_put, t_get = _paired_times(
-        [raw_set, raw_get, tier_put, tier_get], iters
-    )
-    client.delete(*raw_keys)
-    for k in keys:
-        tier.delete(k)
-    tier.close()
-    client.close()
-    med = statistics.median
-    return {
-        "raw_set_gbps": nbytes / med(t_raw_set) / 1e9,
-        "raw_get_gbps": nbytes / med(t_raw_get) / 1e9,
-        "redis_put_gbps": nbytes / med(t_put) / 1e9,
-        "redis_get_gbps": nbytes / med(t_get) / 1e9,
-        "redis_vs_raw": _median_ratio(
-            [s + g for s, g in zip(t_raw_set, t_raw_get, strict=True)],
-            [p + g for p, g in zip(t_put, t_get, strict=True)],
-        ),
-    }
+    def close(self) -> None:
+        self.client.delete(*self.raw_keys)
+        for k in self.keys:
+            self.tier.delete(k)
+        self.tier.close()
+        self.client.close()
 
 
 TARGETS = {"codec_vs_memcpy": 0.5, "redis_vs_raw": 0.8}
@@ -289,7 +329,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     left.set_xlabel("kept fraction (budget)")
     left.set_ylabel("baseline time / store time")
     left.set_title("store vs baselines (median of paired repeats)")
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc="lower left")
     speeds: list[str] = [
         k
         for k in (
@@ -337,12 +377,20 @@ def run(args: argparse.Namespace) -> int:
             redis_url = server.url
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             logger.warning("no Redis measurements: %s", exc)
-    rows = []
+    if args.iters < 1 or args.repeats < 1:
+        raise SystemExit(f"--iters and --repeats must be >= 1, got {args.iters}, {args.repeats}")
+    cases: list[_BudgetCase] = []
     try:
-        with tqdm(total=5 * len(budgets), desc="bench store", unit="stage") as bar:
-            for budget in budgets:
-                rows.append(_bench_budget(args, budget, redis_url, lambda: bar.update(1)))
+        cases = [_BudgetCase(args, budget, redis_url) for budget in budgets]
+        with tqdm(total=args.repeats * len(cases), desc="bench store", unit="pass") as bar:
+            for _ in range(args.repeats):
+                for case in cases:
+                    case.measure(args.iters)
+                    bar.update(1)
+        rows = [case.row() for case in cases]
     finally:
+        for case in cases:
+            case.close()
         if server is not None:
             server.stop()
 
@@ -368,8 +416,8 @@ def run(args: argparse.Namespace) -> int:
             if any(k in r for r in rows)
         },
         "rows": rows,
-        "note": "ratios = baseline time / tier time over the same bytes, same run; "
-        "memory-tier gets return views (zero copy), puts copy once",
+        "note": "ratios = median over paired rounds of baseline time / store time over the "
+        "same bytes, same run; memory-tier gets return views (zero copy), puts copy once",
     }
     write_json(args.json, result)
     if args.json not in (None, "-") or args.plot:
