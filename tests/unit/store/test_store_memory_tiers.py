@@ -212,3 +212,18 @@ def test_concurrent_memory_tier():
         th.join()
     assert not errors
     assert t.used_bytes <= t.capacity_bytes
+
+
+def test_host_only_puts_take_no_stream_copy():
+    """Without a host <-> CUDA crossing the memory tiers copy synchronously, as before."""
+    from lmcompact.store.transfer import CopierPool, needs_stream_copy
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not needs_stream_copy(cpu, cpu) and not needs_stream_copy(cuda, cuda)
+    assert needs_stream_copy(cpu, cuda) and needs_stream_copy(cuda, cpu)
+    assert CopierPool().for_copy(cpu, cpu) is None
+    tier = CPUTier(1 << 20, pin_memory=False)
+    assert tier.put(KEYS[0], make_chunk(0))
+    got = tier.get(KEYS[0])
+    assert got is not None and same_chunk(got, make_chunk(0))
+    assert len(tier._copiers) == 0 and not tier._inflight
