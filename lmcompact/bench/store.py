@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from lmcompact.bench.store_cuda import STEPS as CUDA_STEPS
+from lmcompact.bench.store_cuda import CudaCase, cuda_row
 from lmcompact.cli._output import format_table, write_json
 from lmcompact.store.chunk import SUPPORTED_DTYPES, CompactedChunk
 from lmcompact.store.codec import ChunkCodec
@@ -70,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis measurements")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: also time host <-> GPU moves of the chunks (pinned CPU tier saves, GPU "
+        "tier loads) against plain copies and the host memcpy",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -145,6 +154,9 @@ class _BudgetCase:
         self.redis = (
             _RedisCase(redis_url, self.codec, self.keys, self.chunks) if redis_url else None
         )
+        self.cuda: CudaCase | None = None
+        if args.device == "cuda":
+            self.cuda = CudaCase(self.keys, self.chunks)
         self.samples: dict[str, list[float]] = {}
 
     def steps(self) -> list[tuple[str, Callable[[], object], Callable[[], object] | None]]:
@@ -164,6 +176,8 @@ class _BudgetCase:
             out.append((f"{tier.name}_get", _tier_get(tier, self.keys), None))
         if self.redis is not None:
             out += self.redis.steps()
+        if self.cuda is not None:
+            out += self.cuda.steps()
         return out
 
     def measure(self, iters: int) -> None:
@@ -196,6 +210,8 @@ class _BudgetCase:
             row["redis_vs_raw"] = _median_ratio(
                 _sum(t["raw_set"], t["raw_get"]), _sum(t["redis_put"], t["redis_get"])
             )
+        if self.cuda is not None:
+            row.update(cuda_row(t, self.nbytes, _median_ratio))
         return row
 
     def close(self) -> None:
@@ -231,6 +247,8 @@ def _tier_get(tier: MemoryTier, keys: Sequence[Any]) -> Callable[[], None]:
         for k in keys:
             if tier.get(k) is None:
                 raise RuntimeError(f"{tier.name} tier lost an entry")
+        if tier.device.type == "cuda":  # device copies are asynchronous: time their end
+            torch.cuda.synchronize(tier.device)
 
     return get
 
@@ -369,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    if args.iters < 1 or args.repeats < 1:
+        raise SystemExit(f"--iters and --repeats must be >= 1, got {args.iters}, {args.repeats}")
     server: RedisProcess | None = None
     redis_url = args.redis_url
     if redis_url is None and not args.no_redis:
@@ -377,8 +397,6 @@ def run(args: argparse.Namespace) -> int:
             redis_url = server.url
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             logger.warning("no Redis measurements: %s", exc)
-    if args.iters < 1 or args.repeats < 1:
-        raise SystemExit(f"--iters and --repeats must be >= 1, got {args.iters}, {args.repeats}")
     cases: list[_BudgetCase] = []
     try:
         cases = [_BudgetCase(args, budget, redis_url) for budget in budgets]
@@ -412,7 +430,16 @@ def run(args: argparse.Namespace) -> int:
         "targets": TARGETS,
         "min_over_budgets": {
             k: min(r[k] for r in rows if k in r)
-            for k in ("cpu_vs_memcpy", "gpu_vs_memcpy", "codec_vs_memcpy", "redis_vs_raw")
+            for k in (
+                "cpu_vs_memcpy",
+                "gpu_vs_memcpy",
+                "codec_vs_memcpy",
+                "redis_vs_raw",
+                "d2h_vs_raw",
+                "h2d_vs_raw",
+                "d2h_vs_memcpy",
+                "h2d_vs_memcpy",
+            )
             if any(k in r for r in rows)
         },
         "rows": rows,
@@ -435,5 +462,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     if redis_url is not None:
         cols += ["raw_set_gbps", "raw_get_gbps", "redis_put_gbps", "redis_get_gbps", "redis_vs_raw"]
+    if args.device == "cuda":
+        cols += [f"{s}_gbps" for s in CUDA_STEPS]
+        cols += ["d2h_vs_raw", "h2d_vs_raw", "d2h_vs_memcpy", "h2d_vs_memcpy"]
     print(format_table(rows, cols))
     return 0

@@ -306,3 +306,37 @@ def test_concurrent_threads_no_lost_or_mixed_entries(redis_server):
         assert w["dropped"] == 0 and w["failed"] == 0 and w["written"] == 32
         fetched = store.tier("redis").get_many(KEYS[:32])
         assert all(f is not None and same_chunk(f, make_chunk(i)) for i, f in enumerate(fetched))
+
+
+def test_bench_store_with_redis(tmp_path):
+    """The bench's Redis pair runs against its own private redis-server."""
+    import argparse
+    import json
+
+    from lmcompact.bench import store as bench_store
+
+    parser = argparse.ArgumentParser()
+    bench_store.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--layers",
+            "2",
+            "--kv-heads",
+            "2",
+            "--chunk-tokens",
+            "64",
+            "--chunks",
+            "2",
+            "--iters",
+            "1",
+            "--repeats",
+            "2",
+            "--budgets",
+            "0.5",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
+    assert bench_store.run(args) == 0
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["redis_vs_raw"] > 0 and row["raw_get_gbps"] > 0 and row["redis_put_gbps"] > 0
