@@ -10,7 +10,7 @@ same round:
 * ``h2d``: the load path, ``GPUTier.put`` of pinned chunks (side-stream copies) then
   ``get`` and a device synchronize, against ``raw_h2d``, the plain copies the other way.
 
-Fractions: ``d2h_vs_raw`` / ``h2d_vs_raw`` (baseline time / store time, median over rounds:
+Fractions: ``d2h_vs_raw`` / ``h2d_vs_raw`` (median baseline time / median store time:
 how close the store gets to what the link does with plain copies), and ``d2h_vs_memcpy`` /
 ``h2d_vs_memcpy`` (host memcpy time of the same bytes in the same round / store time: the
 store's transfer rate as a fraction of the host-copy bandwidth).
@@ -106,7 +106,7 @@ class CudaCase:
 def cuda_row(
     samples: dict[str, list[float]], nbytes: int, ratio: Callable[..., float]
 ) -> dict[str, Any]:
-    """Row fields from the rounds' times (``ratio(base, other)``: median paired ratio)."""
+    """Row fields from the rounds' times (``ratio(base, other)``: baseline over store)."""
     from statistics import median
 
     row: dict[str, Any] = {f"{s}_gbps": nbytes / median(samples[s]) / 1e9 for s in STEPS}
