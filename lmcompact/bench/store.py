@@ -218,9 +218,10 @@ class _BudgetCase:
         if self.redis is not None:
             for name in ("raw_set", "raw_get", "redis_put", "redis_get"):
                 row[f"{name}_gbps"] = gbps[name]
-            raw, tier = _sum(t["raw_set"], t["raw_get"]), _sum(t["redis_put"], t["redis_get"])
-            row["redis_vs_raw"] = _median_ratio(raw, tier)
-            row["redis_vs_raw_best"] = _best_ratio(raw, tier)
+            raw = _sum(t["raw_set"], t["raw_get"])
+            stored = _sum(t["redis_put"], t["redis_get"])
+            row["redis_vs_raw"] = _median_ratio(raw, stored)
+            row["redis_vs_raw_best"] = _best_ratio(raw, stored)
         if self.cuda is not None:
             row.update(cuda_row(t, self.nbytes, _median_ratio))
         row["times_s"] = {name: [round(x, 7) for x in times] for name, times in t.items()}
