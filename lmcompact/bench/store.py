@@ -448,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
                 "gpu_vs_memcpy",
                 "codec_vs_memcpy",
                 "redis_vs_raw",
+                "codec_vs_memcpy_best",
+                "redis_vs_raw_best",
                 "d2h_vs_raw",
                 "h2d_vs_raw",
                 "d2h_vs_memcpy",
