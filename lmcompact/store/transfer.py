@@ -35,6 +35,25 @@ def needs_stream_copy(source: torch.device, destination: torch.device) -> bool:
     return kinds == {"cpu", "cuda"}
 
 
+def packed_span(chunk: CompactedChunk) -> torch.Tensor | None:
+    """The chunk's payload as one uint8 tensor when it already lies packed in one buffer
+    (``positions | keys | values`` back to back, as the tiers store it), else None.
+
+    Returns:
+        A ``(chunk.payload_nbytes,)`` uint8 view of the chunk's memory (no copy).
+    """
+    p, k, v = chunk.positions, chunk.keys, chunk.values
+    if not (p.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    base = p.untyped_storage().data_ptr()
+    if k.untyped_storage().data_ptr() != base or v.untyped_storage().data_ptr() != base:
+        return None
+    if p.data_ptr() + p.nbytes != k.data_ptr() or k.data_ptr() + k.nbytes != v.data_ptr():
+        return None
+    first = p.view(torch.uint8)
+    return first.as_strided((chunk.payload_nbytes,), (1,), first.storage_offset())
+
+
 @dataclass
 class PendingCopy:
     """A copy queued on a side stream; readers call :meth:`wait` before using the result.
@@ -114,10 +133,14 @@ class StreamCopier:
             buffer, chunk.total_kept, chunk.keys.shape[1], chunk.values.shape[1], chunk.dtype
         )
         src = (chunk.positions, chunk.keys, chunk.values)
+        span = packed_span(chunk)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=True)
+            if span is not None:  # one copy of the whole packed payload
+                buffer.copy_(span, non_blocking=True)
+            else:
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s, non_blocking=True)
             for t in (*src, buffer):
                 if t.is_cuda:  # allocated on another stream, used on this one
                     t.record_stream(self.stream)

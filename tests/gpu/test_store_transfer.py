@@ -165,3 +165,19 @@ def test_to_host_does_not_stall_the_current_stream():
     pending.wait()
     assert host[0].is_pinned() and host[0].shape == (2, 2, 32, 128)
     assert bool((host[0] == 1.5).all())
+
+
+def test_loose_and_packed_device_chunks_both_copy_right():
+    """A chunk packed in one buffer goes as one copy, a loose one as three: same bytes."""
+    from lmcompact.store.transfer import packed_span
+
+    host = make_chunk(6, layers=3, heads=2, kept=32, dim=64, dtype=torch.float16)
+    k, v, p = (t.cuda() for t in host.to_dense())
+    loose = CompactedChunk.from_dense(k, v, p, num_tokens=host.num_tokens)
+    packed = host.clone("cuda")
+    assert packed_span(loose) is None and packed_span(packed) is not None
+    tier = CPUTier(64 << 20, pin_memory=True)
+    assert tier.put(KEYS[0], loose) and tier.put(KEYS[1], packed)
+    for key in KEYS[:2]:
+        got = tier.get(key)
+        assert got is not None and same_chunk(got, host)

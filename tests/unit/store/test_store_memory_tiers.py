@@ -227,3 +227,16 @@ def test_host_only_puts_take_no_stream_copy():
     got = tier.get(KEYS[0])
     assert got is not None and same_chunk(got, make_chunk(0))
     assert len(tier._copiers) == 0 and not tier._inflight
+
+
+def test_packed_span_views_a_packed_payload_only():
+    from lmcompact.store.transfer import packed_span
+
+    loose = make_chunk(0)  # from_dense: positions, keys, values in three allocations
+    assert packed_span(loose) is None
+    packed = loose.clone()  # one buffer, positions | keys | values
+    span = packed_span(packed)
+    assert span is not None and span.dtype == torch.uint8
+    assert span.numel() == packed.payload_nbytes and span.data_ptr() == packed.positions.data_ptr()
+    buf = torch.empty(packed.payload_nbytes, dtype=torch.uint8)
+    assert same_chunk(loose.pack_into(buf), packed) and torch.equal(buf, span)
