@@ -10,11 +10,11 @@ measured against a baseline run in the same process on the same bytes:
 
 Each timed round runs every baseline and every measured path once, back to back, on the
 same bytes; a ratio is the median baseline time over the median measured time (1.0 = as
-fast as the baseline; a path made of two steps, e.g. encode + decode, is timed as their sum
-within each round). Rounds come in ``--repeats`` passes over all budgets (``--iters`` rounds
+fast as the baseline; a path made of two steps, e.g. encode + decode, takes the sum of the
+steps' medians). Rounds come in ``--repeats`` passes over all budgets (``--iters`` rounds
 per budget each pass), so a burst of load from other processes on a shared host spreads
 over budgets and both sides of every ratio instead of spoiling one. Throughputs (GB/s) are
-payload bytes over the median time. ``*_best`` ratios use each side's fastest round
+payload bytes over the median time. ``*_best`` ratios use each step's fastest round
 instead (on a heavily shared host the medians carry other processes' load). The JSON keeps
 every round's times (``times_s``).
 
@@ -108,19 +108,15 @@ def _rounds(
     return times
 
 
-def _median_ratio(base: Sequence[float], other: Sequence[float]) -> float:
-    """Median baseline time over median store time (each a per-round series)."""
-    return statistics.median(base) / statistics.median(other)
+Stat = Callable[[Sequence[float]], float]
 
 
-def _best_ratio(base: Sequence[float], other: Sequence[float]) -> float:
-    """Fastest baseline time over fastest store time: what each side does undisturbed
-    (load from other processes only ever adds time). Reported beside the median ratio."""
-    return min(base) / min(other)
-
-
-def _sum(*series: Sequence[float]) -> list[float]:
-    return [sum(v) for v in zip(*series, strict=True)]
+def _ratio(
+    t: dict[str, list[float]], base: Sequence[str], store: Sequence[str], stat: Stat
+) -> float:
+    """Baseline time over store time, each the sum over its steps of the step's ``stat``
+    over rounds (``statistics.median``; ``min`` for the ``*_best`` ratios)."""
+    return sum(stat(t[s]) for s in base) / sum(stat(t[s]) for s in store)
 
 
 def _make_chunks(
@@ -208,22 +204,21 @@ class _BudgetCase:
             row[f"{tier.name}_device"] = str(tier.device)
             row[f"{tier.name}_put_gbps"] = gbps[f"{tier.name}_put"]
             row[f"{tier.name}_get_gbps"] = gbps[f"{tier.name}_get"]
-            row[f"{tier.name}_vs_memcpy"] = _median_ratio(
-                t["memcpy"], _sum(t[f"{tier.name}_put"], t[f"{tier.name}_get"])
+            row[f"{tier.name}_vs_memcpy"] = _ratio(
+                t, ["memcpy"], [f"{tier.name}_put", f"{tier.name}_get"], med
             )
         row["encode_gbps"] = gbps["encode"]
         row["decode_gbps"] = gbps["decode"]
-        row["codec_vs_memcpy"] = _median_ratio(t["memcpy"], _sum(t["encode"], t["decode"]))
-        row["codec_vs_memcpy_best"] = _best_ratio(t["memcpy"], _sum(t["encode"], t["decode"]))
+        row["codec_vs_memcpy"] = _ratio(t, ["memcpy"], ["encode", "decode"], med)
+        row["codec_vs_memcpy_best"] = _ratio(t, ["memcpy"], ["encode", "decode"], min)
         if self.redis is not None:
             for name in ("raw_set", "raw_get", "redis_put", "redis_get"):
                 row[f"{name}_gbps"] = gbps[name]
-            raw = _sum(t["raw_set"], t["raw_get"])
-            stored = _sum(t["redis_put"], t["redis_get"])
-            row["redis_vs_raw"] = _median_ratio(raw, stored)
-            row["redis_vs_raw_best"] = _best_ratio(raw, stored)
+            raw, stored = ["raw_set", "raw_get"], ["redis_put", "redis_get"]
+            row["redis_vs_raw"] = _ratio(t, raw, stored, med)
+            row["redis_vs_raw_best"] = _ratio(t, raw, stored, min)
         if self.cuda is not None:
-            row.update(cuda_row(t, self.nbytes, _median_ratio))
+            row.update(cuda_row(t, self.nbytes, _ratio))
         row["times_s"] = {name: [round(x, 7) for x in times] for name, times in t.items()}
         return row
 

@@ -106,12 +106,13 @@ class CudaCase:
 def cuda_row(
     samples: dict[str, list[float]], nbytes: int, ratio: Callable[..., float]
 ) -> dict[str, Any]:
-    """Row fields from the rounds' times (``ratio(base, other)``: baseline over store)."""
+    """Row fields from the rounds' times (``ratio(samples, base_steps, store_steps, stat)``:
+    baseline time over store time)."""
     from statistics import median
 
     row: dict[str, Any] = {f"{s}_gbps": nbytes / median(samples[s]) / 1e9 for s in STEPS}
     for way in ("d2h", "h2d"):
-        row[f"{way}_vs_raw"] = ratio(samples[f"raw_{way}"], samples[way])
-        row[f"{way}_vs_memcpy"] = ratio(samples["memcpy"], samples[way])
+        row[f"{way}_vs_raw"] = ratio(samples, [f"raw_{way}"], [way], median)
+        row[f"{way}_vs_memcpy"] = ratio(samples, ["memcpy"], [way], median)
     row["cuda_device"] = torch.cuda.get_device_name(0)
     return row

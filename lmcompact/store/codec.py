@@ -60,6 +60,7 @@ from lmcompact.store.chunk import (
     CompactedChunk,
     dtype_name,
     packed_nbytes,
+    packed_span,
 )
 from lmcompact.store.keys import StoreNamespace
 
@@ -94,8 +95,9 @@ class EncodedValue:
 
     Attributes:
         parts: the frame head (magic, header length, header, padding) as bytes, then the
-            payload sections ``positions | keys | values`` as memoryviews of the chunk's
-            tensors (of a host copy when the chunk lives on a device).
+            payload ``positions | keys | values`` as memoryviews of the chunk's tensors:
+            one view when the chunk lies packed in one buffer, else one per section (of a
+            host copy when the chunk lives on a device).
         nbytes: total length, ``sum(len(p) for p in parts)``.
 
     The views alias the chunk: the chunk must not change until the value was written.
@@ -208,7 +210,11 @@ class ChunkCodec:
     def encode(self, chunk: CompactedChunk) -> EncodedValue:
         """Frame ``chunk`` (any device) as one self-checking value, without copying its
         payload (a device chunk is copied to the host once)."""
-        parts = (_byte_view(chunk.positions), _byte_view(chunk.keys), _byte_view(chunk.values))
+        span = packed_span(chunk) if chunk.device.type == "cpu" else None
+        if span is not None:  # packed in one buffer (as the memory tiers hold chunks)
+            parts: tuple[memoryview, ...] = (_byte_view(span),)
+        else:
+            parts = (_byte_view(chunk.positions), _byte_view(chunk.keys), _byte_view(chunk.values))
         header: dict[str, Any] = {
             "v": VALUE_VERSION,
             "ns": self._ns,

@@ -169,7 +169,7 @@ def test_to_host_does_not_stall_the_current_stream():
 
 def test_loose_and_packed_device_chunks_both_copy_right():
     """A chunk packed in one buffer goes as one copy, a loose one as three: same bytes."""
-    from lmcompact.store.transfer import packed_span
+    from lmcompact.store.chunk import packed_span
 
     host = make_chunk(6, layers=3, heads=2, kept=32, dim=64, dtype=torch.float16)
     k, v, p = (t.cuda() for t in host.to_dense())

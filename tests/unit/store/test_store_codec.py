@@ -163,6 +163,14 @@ def test_encode_is_zero_copy():
     assert value.nbytes == len(head) + chunk.payload_nbytes
     # the joined bytes decode back to the chunk
     assert same_chunk(codec.decode(value.tobytes()), chunk)
+    # a chunk packed in one buffer (as the memory tiers hold them) is framed as one view
+    packed = chunk.clone()
+    head2, *payload2 = codec.encode(packed).parts
+    assert head2 == head and len(payload2) == 1
+    view = torch.frombuffer(payload2[0], dtype=torch.uint8)
+    assert view.data_ptr() == packed.positions.data_ptr()
+    assert view.numel() == packed.payload_nbytes
+    assert codec.encode(packed).tobytes() == value.tobytes()
 
 
 def test_decode_is_zero_copy():

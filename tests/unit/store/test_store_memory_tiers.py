@@ -230,7 +230,7 @@ def test_host_only_puts_take_no_stream_copy():
 
 
 def test_packed_span_views_a_packed_payload_only():
-    from lmcompact.store.transfer import packed_span
+    from lmcompact.store.chunk import packed_span
 
     loose = make_chunk(0)  # from_dense: positions, keys, values in three allocations
     assert packed_span(loose) is None
