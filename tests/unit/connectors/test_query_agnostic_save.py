@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from connectors.compaction import SaveJob, compact_job
@@ -82,7 +84,7 @@ def test_expected_attention_job_reads_the_window_queries_only() -> None:
 
 
 def test_engine_checks_accept_both_and_need_a_window() -> None:
-    kwargs = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    kwargs: dict[str, Any] = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
     for name in ("kvzip", "expected_attention"):
         config = ConnectorConfig.from_extra({"policy": name, "budget": 0.5, "chunk_size": 128})
         validate_against_engine(config, prefix_caching=False, **kwargs)
