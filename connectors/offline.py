@@ -24,13 +24,23 @@ def in_process_env(kv_cache_gib: int = 2) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def transfer_config(extra: Mapping[str, Any]) -> Any:
-    """A ``KVTransferConfig`` that loads :class:`LMCompactConnector` with ``extra`` options."""
+CONNECTORS = {
+    "LMCompactConnector": "connectors.lmcompact_connector",
+    "LMCompactMemoryConnector": "connectors.memory.connector",
+}
+"""Connector class name -> module path."""
+
+
+def transfer_config(extra: Mapping[str, Any], connector: str = "LMCompactConnector") -> Any:
+    """A ``KVTransferConfig`` that loads ``connector`` (a :data:`CONNECTORS` name) with
+    ``extra`` options."""
     from vllm.config import KVTransferConfig
 
+    if connector not in CONNECTORS:
+        raise ValueError(f"unknown connector {connector!r}; allowed: {sorted(CONNECTORS)}")
     return KVTransferConfig(
-        kv_connector="LMCompactConnector",
-        kv_connector_module_path="connectors.lmcompact_connector",
+        kv_connector=connector,
+        kv_connector_module_path=CONNECTORS[connector],
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
     )
@@ -43,6 +53,7 @@ def build_llm(
     dtype: str = "float32",
     max_model_len: int = 4096,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    connector: str = "LMCompactConnector",
 ) -> Any:
     """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
 
@@ -53,7 +64,7 @@ def build_llm(
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if extra is not None:
-        kwargs["kv_transfer_config"] = transfer_config(extra)
+        kwargs["kv_transfer_config"] = transfer_config(extra, connector)
     return LLM(
         model=model,
         block_size=block_size,
@@ -98,6 +109,37 @@ def connector_stats() -> dict[str, Any]:
         return {}
     connector.worker_half.drain()
     return dict(connector.worker_half.stats)
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The in-process scheduler-side connector of ``llm``, or None."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return getattr(scheduler, "connector", None)
+
+
+def request_counters(llm: Any) -> dict[str, float]:
+    """Cumulative counters of both connector halves after pending saves: store lookups and
+    hit chunks (scheduler), in-place packs, released and adopted hole blocks (memory
+    connector), chunks and bytes stored (worker). Empty without a connector."""
+    out: dict[str, float] = {}
+    scheduler = scheduler_connector(llm)
+    if scheduler is None:
+        return out
+    out.update(connector_stats())
+    half = getattr(scheduler, "scheduler_half", None)
+    if half is not None:
+        out.update(half.stats)
+    memory = getattr(scheduler, "memory_scheduler", None)
+    if memory is not None:
+        out["packs"] = memory.stats.packs
+        out["blocks_released"] = memory.stats.blocks_released
+        out["holes_adopted"] = memory.stats.holes_adopted
+    worker = worker_connector()
+    pack_stats = getattr(worker, "pack_stats", None)
+    if pack_stats is not None:
+        out["pack_s"] = pack_stats["seconds"]
+        out["packs_unscored"] = pack_stats["unscored"]
+    return out
 
 
 def shutdown(llm: Any) -> None:

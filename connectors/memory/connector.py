@@ -41,7 +41,7 @@ from connectors.memory.heavy_hitters import (
 )
 from connectors.memory.packing import WindowQueries, pack_in_place
 from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
-from connectors.memory.planner import HolePlanner
+from connectors.memory.planner import HolePlanner, PrefillMode
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
 
@@ -72,6 +72,8 @@ class MemoryMetadata(LMCompactMetadata):
 class LMCompactMemoryConnector(LMCompactConnector):
     """Compaction connector that gives dropped tokens' blocks back to vLLM."""
 
+    packs_in_place = True
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer = vllm_config.kv_transfer_config
         original = dict(transfer.kv_connector_extra_config or {})
@@ -83,9 +85,19 @@ class LMCompactMemoryConnector(LMCompactConnector):
         finally:
             transfer.kv_connector_extra_config = original
         bs = self.facts.block_size
+        prefill_mode = self.memory.prefill_mode(self.config.policy, self.config.compacts)
+        if (
+            self.config.compacts
+            and self.config.compact_on == "load"
+            and prefill_mode is PrefillMode.OFF
+        ):
+            raise ValueError(
+                "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                "request's prefill: memory.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
+            )
         self.planner = HolePlanner(
             block_size=bs,
-            prefill_mode=self.memory.prefill_mode(self.config.policy, self.config.compacts),
+            prefill_mode=prefill_mode,
             budget=float(self.config.budget),
             sink_blocks=self.memory.sink_blocks,
             decode_budget_blocks=self.memory.decode_budget_blocks(bs),

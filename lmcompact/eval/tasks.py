@@ -26,6 +26,12 @@ agreement
     (position-wise equality over the N new tokens) and first divergence.
 ppl
     Perplexity of a continuation after a compacted context.
+multi_needle (``--engine vllm``)
+    One natural-text context (:func:`build_stored_context`) hides several labelled
+    needles at different depths; several different questions are asked against it, each
+    a separate request whose prompt is the context plus the question. A context compacted
+    when it is stored (before any question exists) must serve all of them, so this task
+    judges whether compaction at save time is query-agnostic.
 """
 
 from __future__ import annotations
@@ -232,6 +238,54 @@ def build_needle_prompt(
         size -= 1
         ids = build(size)
     return NeedlePrompt(input_ids=ids, needles=needles, target=target)
+
+
+@dataclass(frozen=True)
+class StoredContext:
+    """A context that several questions are asked against (the ``multi_needle`` task).
+
+    The prompt of question ``i`` is ``context_ids + question_ids[i]``: the context is built
+    token by token (exactly ``len(context_ids)`` tokens, a multiple of a store chunk when
+    the requested length is) so that every question request shares it as a prefix.
+
+    Attributes:
+        context_ids: The haystack with every needle.
+        needles: The needles, in the order of the questions.
+        question_ids: One suffix per needle: the question and the answer prefix.
+    """
+
+    context_ids: list[int]
+    needles: tuple[Needle, ...]
+    question_ids: tuple[list[int], ...]
+
+    def prompt(self, index: int) -> list[int]:
+        """Token ids of question ``index`` asked after the context."""
+        return self.context_ids + self.question_ids[index]
+
+
+def build_stored_context(
+    tokenizer: Any, context: int, seed: int, depths: Sequence[float], text: str
+) -> StoredContext:
+    """``context`` tokens of natural text hiding one labelled needle per depth.
+
+    Each needle ("The secret passkey of the <color> door is NNNNN. Remember it.") is cut
+    into the tokenized ``text`` at its depth; the questions ask for each of them in turn
+    ("What is the secret passkey of the <color> door? The secret passkey of the <color>
+    door is"), plain text, no chat template.
+    """
+    needles = make_needles(seed, depths, "pydoc")
+
+    def encode(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+
+    needle_ids = [(n.depth, encode(f" {n.sentence} ")) for n in needles]
+    room = context - sum(len(ids) for _, ids in needle_ids)
+    source = encode(text)
+    if room <= 16 or len(source) < room:
+        raise ValueError(f"context {context} cannot hold {len(needles)} needles in this text")
+    ids = insert_needles(source[:room], needle_ids)
+    questions = tuple(encode(f"\n\n{n.question} {n.answer_prefix}") for n in needles)
+    return StoredContext(context_ids=ids, needles=needles, question_ids=questions)
 
 
 _NUMBER = re.compile(r"\d[\d,]*")
