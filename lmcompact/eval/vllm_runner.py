@@ -202,14 +202,11 @@ def run_cell(
             warm_s = warm.seconds
             if _delta(after, before, "hit_chunks"):
                 logger.error(
-                    "the first request of %s sample %d hit the store: the namespace is not "
-                    "fresh",
+                    "the first request of %s sample %d hit the store: the namespace is not fresh",
                     case.task,
                     case.sample,
                 )
-        expected = (
-            len(case.stored.context_ids) // config.chunk_size if mode in stored_modes else 0
-        )
+        expected = len(case.stored.context_ids) // config.chunk_size if mode in stored_modes else 0
         for q, needle in enumerate(case.stored.needles):
             before = offline.request_counters(llm)
             out = offline.generate(llm, case.stored.prompt(q), config.new_tokens)
