@@ -48,7 +48,8 @@ class ConnectorConfig:
         budget: kept fraction per chunk, in (0, 1]; rounded to whole KV blocks.
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
         window: observation-window queries (the prompt's last ``window`` tokens) captured for
-            score-based policies.
+            score-based policies (and Expected Attention's query statistics); ``kvzip``
+            also captures its own sample of queries across the prompt.
         tiers: store tiers, fastest first, from ``("cpu", "redis")``.
         cpu_capacity_mb: CPU tier size in MiB.
         redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
@@ -249,7 +250,15 @@ def validate_against_engine(
         raise ValueError(
             f"policy {config.policy!r} needs {missing}, which the vLLM connector does not "
             "capture (it sees the observation window's queries and the keys/values); "
-            "allowed: policies needing KEYS, WINDOW_SCORES or WINDOW_ATTENTION"
+            "allowed: policies needing KEYS, WINDOW_SCORES, WINDOW_ATTENTION, WINDOW_QUERIES "
+            "or CONTEXT_SCORES"
+        )
+    if policy.needs & (Need.WINDOW_QUERIES | Need.WINDOW_SCORES | Need.WINDOW_ATTENTION) and (
+        config.window < 1
+    ):
+        raise ValueError(
+            f"policy {config.policy!r} reads the observation window's queries; window must be "
+            f">= 1 (default 32), got {config.window}"
         )
     if per_head_counts:
         return
@@ -264,7 +273,8 @@ def validate_against_engine(
             f"{kept} per chunk); the "
             "vLLM connector needs the same count everywhere (attention skips one "
             "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
-            "knorm, tova, random; per-head policies run with LMCompactMemoryConnector's "
+            "knorm, tova, random, kvzip, expected_attention; per-head policies run with "
+            "LMCompactMemoryConnector's "
             'memory option "per_head"'
         )
 
@@ -292,6 +302,14 @@ def probe_inputs(
                 values=torch.randn_like(keys),
                 window_scores=scores,
                 window_attention=attention,
+                context_scores=torch.rand(num_kv_heads, t, generator=gen),
+                window_queries=torch.randn(num_kv_heads, window, head_dim, generator=gen),
             )
         )
-    return CompactionInputs(t, num_kv_heads, layers, budget_tokens=kept)
+    return CompactionInputs(
+        t,
+        num_kv_heads,
+        layers,
+        budget_tokens=kept,
+        query_positions=torch.arange(t, t + window),
+    )

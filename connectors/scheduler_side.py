@@ -14,6 +14,7 @@ Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at toke
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class _Tracked:
     loaded_end: int = 0
     hole: Hole | None = None
     saved: bool = False
+    capture: list[int] | None = None
 
 
 class SchedulerHalf:
@@ -57,6 +59,7 @@ class SchedulerHalf:
         self.store = store
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
+        self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self._requests: dict[str, _Tracked] = {}
         self.stats = {"lookups": 0, "hit_chunks": 0, "rejected_chunks": 0}
 
@@ -191,19 +194,34 @@ class SchedulerHalf:
                 num_blocks=hole_tokens // bs,
             )
 
+    def capture_positions(self, prompt_len: int) -> list[int]:
+        """Sorted prompt positions whose queries the worker copies for the save: the last
+        ``window`` (observation window) and the policy's ``context_queries`` (KVzip's
+        sample across the prompt)."""
+        wanted = set(range(max(0, prompt_len - self.config.window), prompt_len))
+        sampled = self.policy.context_queries(prompt_len)
+        if sampled is not None:
+            wanted.update(int(p) for p in sampled.tolist())
+        return sorted(wanted)
+
     def _plan_save(
         self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata
     ) -> None:
-        """Window captures in the steps that compute the prompt's last tokens; the save in
+        """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""
         if not self.config.save or tracked.saved:
             return
         c, bs = self.config.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
-        window_lo = max(prompt_len - self.config.window, lo)
-        if self.config.window and window_lo < hi:
-            positions = list(range(window_lo, hi))
+        if tracked.capture is None:
+            tracked.capture = self.capture_positions(prompt_len)
+        first, last = (
+            bisect.bisect_left(tracked.capture, lo),
+            bisect.bisect_left(tracked.capture, hi),
+        )
+        if first < last:
+            positions = tracked.capture[first:last]
             slots = [tracked.block_ids[p // bs] * bs + p % bs for p in positions]
             meta.captures.append(CaptureSpec(sched.req_id, slots, positions))
         if hi < prompt_len:

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.holes import Hole, skip_holes
+from lmcompact.attention.rope import Rope
 
 logger = logging.getLogger(__name__)
 
@@ -387,3 +388,33 @@ def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) ->
             f"the {facts.device_type} attention backend packs KV pages differently from the "
             f"{facts.layout_name!r} layout this connector knows (isa={getattr(layer, 'isa', '?')})"
         )
+
+
+def rope_of(vllm_config: Any) -> Rope | None:
+    """The model's RoPE from its HF config, or None when it is not one plain RoPE.
+
+    Read: ``rope_parameters`` (transformers >= 5) or ``rope_theta`` / ``rope_scaling``,
+    ``partial_rotary_factor`` and the head size. Only the unscaled ("default") type is
+    rebuilt here; scaled types (llama3, yarn, ...) and per-layer-type RoPE (Gemma-3's
+    local / global layers) give None, and policies that rotate (``expected_attention``)
+    then log that they do not. The pair layout is the HF one (neox, ``rotate_half``).
+    """
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_text_config", None) or model.hf_config
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if theta is None or rope_type != "default":
+        logger.info(
+            "RoPE of %s not rebuilt (type %r, parameters %s); no rotation of query statistics",
+            getattr(hf, "model_type", "?"),
+            rope_type,
+            sorted(params) if params else None,
+        )
+        return None
+    head_dim = int(model.get_head_size())
+    factor = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * factor)
+    return Rope.from_theta(float(theta), rotary_dim - rotary_dim % 2, neox=True)

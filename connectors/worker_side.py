@@ -4,7 +4,8 @@ Per step::
 
     start_load_kv   write loaded chunks into blocks (packed), find capture rows,
                     swap per-layer attention metadata for copies that skip holes
-    attention       (patched) copy the window queries of capture rows, per layer
+    attention       (patched) copy the queries of capture rows (the observation window and
+                    the policy's sample across the prompt), per layer
     wait_for_save   copy the pages of finished prefills; compaction and store puts run
                     on a background thread, so the forward pass waits only for the copy
 
@@ -27,6 +28,7 @@ from connectors.compaction import SaveJob, compact_job, full_nbytes
 from connectors.config import ConnectorConfig
 from connectors.kv_layout import PageLayout, make_layout
 from connectors.metadata import LoadSpec, SaveSpec, StepMetadata
+from lmcompact.policies import Need
 from lmcompact.store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class WorkerHalf:
         self.vllm_config = vllm_config
         self.store = store
         self.policy = config.store_policy()  # `none` when chunks are stored whole
+        self.rope = shim.rope_of(vllm_config) if Need.WINDOW_QUERIES in self.policy.needs else None
         self.kept = config.kept_per_chunk(facts.block_size)
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -245,6 +248,8 @@ class WorkerHalf:
             queries,
             query_positions,
             shim.attention_scale(first_layer),
+            window=self.config.window,
+            rope=self.rope,
         )
 
     def _run_job(self, job: SaveJob) -> None:

@@ -44,8 +44,12 @@ from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_a
 from connectors.memory.planner import HolePlanner, PrefillMode
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
+from lmcompact.policies import Need
 
 logger = logging.getLogger(__name__)
+
+PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
+"""Inputs :func:`connectors.memory.packing.plan_pack` does not compute."""
 
 
 class MemoryMetadata(LMCompactMetadata):
@@ -94,6 +98,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
             raise ValueError(
                 "compact_on 'load' stores prefixes whole and compacts them in the loading "
                 "request's prefill: memory.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
+            )
+        unpackable = self.config.make_policy().needs & PACK_UNSUPPORTED
+        if self.config.compacts and prefill_mode is PrefillMode.PACK and unpackable:
+            raise ValueError(
+                f"policy {self.config.policy!r} needs {unpackable}, which the in-place pack "
+                "does not compute (it scores with keys and the window's attention); use it on "
+                "the store path (compact_on 'save', memory.prefill 'off') or pack with "
+                "snapkv, knorm, tova, streaming_llm"
             )
         self.planner = HolePlanner(
             block_size=bs,

@@ -76,17 +76,22 @@ def test_stored_whole_then_packed_at_load(smollm2_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("connector", "memory", "match"),
+    ("connector", "policy", "memory", "match"),
     [
-        (("LMCompactConnector", "connectors.lmcompact_connector"), None, "packs prompts"),
-        (MEMORY_CONNECTOR, {"prefill": "off"}, "memory.prefill must be"),
+        (("LMCompactConnector", "connectors.lmcompact_connector"), "snapkv", None, "packs prompts"),
+        (MEMORY_CONNECTOR, "snapkv", {"prefill": "off"}, "memory.prefill must be"),
+        (MEMORY_CONNECTOR, "kvzip", {"prefill": "pack"}, "does not compute"),
     ],
 )
 def test_load_needs_an_in_place_pack(
-    tmp_path: Path, connector: tuple[str, str], memory: dict[str, str] | None, match: str
+    tmp_path: Path,
+    connector: tuple[str, str],
+    policy: str,
+    memory: dict[str, str] | None,
+    match: str,
 ) -> None:
     model = str(build_tiny_llama(tmp_path / "llama"))
-    extra = {"policy": "snapkv", "budget": 0.5, "compact_on": "load"}
+    extra: dict[str, Any] = {"policy": policy, "budget": 0.5, "compact_on": "load"}
     if memory is not None:
         extra["memory"] = memory
     with pytest.raises(Exception, match=match), memory_engine(model, extra, connector=connector):
