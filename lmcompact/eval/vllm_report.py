@@ -189,3 +189,52 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+ROW_ID = (*KEY, "sample", "question")
+
+
+def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One payload from several runs' JSON: their rows (a row already present, e.g. the
+    same full-cache baseline in two runs, is kept once), summary and commands."""
+    seen: set[tuple[Any, ...]] = set()
+    rows: list[dict[str, Any]] = []
+    for payload in payloads:
+        for row in payload["samples"]:
+            key = tuple(row.get(k) for k in ROW_ID)
+            if key in seen and row.get("task") is not None:
+                continue
+            seen.add(key)
+            rows.append(row)
+    return {
+        "commands": [p.get("command") for p in payloads],
+        "engine": "vllm",
+        "configs": [p.get("config") for p in payloads],
+        "elapsed_s": sum(p.get("elapsed_s", 0.0) for p in payloads),
+        "results": summarize(rows),
+        "samples": rows,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lmcompact.eval.vllm_report --json OUT IN.json ...``: merge runs, write the
+    JSON, the markdown table and the plots next to it."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("inputs", nargs="+", help="JSON files of lmcompact eval --engine vllm")
+    parser.add_argument("--json", required=True, help="merged JSON to write")
+    args = parser.parse_args(argv)
+    payload = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+    out = Path(args.json)
+    out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    table = markdown(payload["results"])
+    out.with_suffix(".md").write_text(table)
+    plot(payload["results"], out.parent, out.stem)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

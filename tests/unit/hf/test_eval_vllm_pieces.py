@@ -112,3 +112,24 @@ def test_summary_flags_misses_and_draws_one_panel_per_mode(tmp_path: Path) -> No
     assert "refused: reason" in table
     paths = vllm_report.plot(summary, tmp_path, "t")
     assert [p.name for p in paths] == ["t_multi_needle.png"] and paths[0].stat().st_size > 0
+
+
+def test_merge_keeps_a_repeated_baseline_once(tmp_path: Path) -> None:
+    first = [
+        {**_row("none", "none", 1.0, 1.0), "sample": 0, "question": 0},
+        {**_row("save", "snapkv", 0.25, 0.0), "sample": 0, "question": 0},
+    ]
+    second = [
+        {**_row("none", "none", 1.0, 1.0), "sample": 0, "question": 0},
+        {**_row("save", "kvzip", 0.25, 1.0), "sample": 0, "question": 0},
+    ]
+    merged = vllm_report.merge(
+        [{"command": "a", "samples": first}, {"command": "b", "samples": second}]
+    )
+    assert merged["commands"] == ["a", "b"]
+    assert len(merged["samples"]) == 3
+    assert {(r["policy"], r["n"]) for r in merged["results"]} == {
+        ("none", 1),
+        ("snapkv", 1),
+        ("kvzip", 1),
+    }
