@@ -177,6 +177,9 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
                         label=policy,
                     )
                 ax.set_xscale("log")
+                budgets = sorted({r["budget"] for r in here if r["compact_on"] == mode})
+                ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+                ax.minorticks_off()
                 ax.set_ylim(-0.05, 1.05)
                 ax.set_title(f"{model} {context} compact_on={mode}", fontsize=9)
                 ax.set_xlabel("budget (kept fraction)")
