@@ -184,6 +184,7 @@ def compact_job(
     chunk_size: int,
     kept_per_chunk: int,
     store_dtype: torch.dtype | None = None,
+    recent_layers: frozenset[int] = frozenset(),
 ) -> list[tuple[ChunkKey, CompactedChunk]]:
     """Compact every chunk of ``job``: ``(key, chunk)`` pairs ready for the store.
 
@@ -194,6 +195,9 @@ def compact_job(
         chunk_size: tokens per chunk (C).
         kept_per_chunk: tokens every (layer, head) keeps of a chunk (K, block aligned).
         store_dtype: dtype of stored K/V; None keeps the cache dtype.
+        recent_layers: sliding-window layers: whatever the policy chose, they keep each
+            chunk's last K tokens (:meth:`lmcompact.plan.KeepPlan.with_recent`), so a
+            loaded prefix's last chunk sits at logical distances in their window.
     """
     if kept_per_chunk > chunk_size or kept_per_chunk < 1:
         raise ValueError(f"kept_per_chunk must be in [1, {chunk_size}], got {kept_per_chunk}")
@@ -258,6 +262,8 @@ def compact_job(
             attention_scale=job.scale,
         )
         plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
+        if plan is not None:
+            plan = plan.with_recent(recent_layers, kept_per_chunk)
         out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))
     return out
 

@@ -11,6 +11,20 @@ stay those of the full prompt; attention alone reads a block table with the hole
 Because the hole lies before every query and causal masks are aligned bottom-right (the
 last query sees the last key), shortening the key length by the hole keeps every query's
 visible keys exactly "kept prefix + computed tokens up to itself".
+
+Sliding-window layers: vLLM masks their window by *key index* in this virtual row, so a
+key's index must equal its logical position minus a constant shared with the queries (the
+hole). After the hole that holds (index = logical - hole). Before it, it holds only for
+blocks whose packed tokens are the contiguous run ending where the hole starts: their
+sliding layers keep the most recent tokens (``KeepPlan.with_recent``). Every block before
+that run is cut out too, for sliding layers only (``Hole.window_lead``)::
+
+    store load, 3 chunks  [ c0 | c1 | c2 | hole ...... | t6 t7 ]  c_i = last K of chunk i
+    full layers           [ c0 | c1 | c2 | t6 t7 ]
+    sliding layers        [ c2 | t6 t7 ]                 window_lead = 2 blocks
+
+so every key a sliding layer sees sits at its logical distance from every query, and its
+window mask is exact; it loses what lies before the lead (documented, never silent).
 """
 
 from __future__ import annotations
@@ -31,15 +45,21 @@ class Hole:
             prefix caching is required off).
         start_block: logical index of the first hole block.
         num_blocks: blocks in the hole.
+        window_lead: leading blocks ``[0, window_lead)`` that sliding-window layers skip as
+            well (``<= start_block``): those whose key index would not be the logical
+            distance (see the module docstring). Full-attention layers ignore it.
     """
 
     first_block: int
     start_block: int
     num_blocks: int
+    window_lead: int = 0
 
     def __post_init__(self) -> None:
         if self.start_block < 0 or self.num_blocks < 1:
             raise ValueError(f"a hole needs start_block >= 0 and num_blocks >= 1, got {self}")
+        if not 0 <= self.window_lead <= self.start_block:
+            raise ValueError(f"a hole needs 0 <= window_lead <= start_block, got {self}")
 
 
 def skip_holes(
@@ -48,6 +68,7 @@ def skip_holes(
     num_reqs: int,
     holes: Mapping[int, Hole],
     block_size: int,
+    sliding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
     """Cut holes out of the rows of requests that have one.
 
@@ -57,6 +78,8 @@ def skip_holes(
         num_reqs: rows in use (the rest is padding).
         holes: hole per first physical block id.
         block_size: tokens per block.
+        sliding: the table serves sliding-window layers: also cut each hole's
+            ``window_lead`` blocks (the row's column 0 then no longer is its first block).
 
     Returns:
         New ``(block_table, seq_lens, edited_rows)`` (fresh tensors; inputs untouched), or
@@ -79,8 +102,9 @@ def skip_holes(
                 f"row {r}: hole blocks [{s}, {s + n}) need seq_len > {(s + n) * block_size} and "
                 f"{s + n} block-table columns; got {int(lens[r])} and {width}"
             )
-        tail = block_table[r, s + n :]
-        table[r, s : s + tail.numel()] = tail
-        table[r, s + tail.numel() :] = 0
-        lens[r] -= n * block_size
+        lead = hole.window_lead if sliding else 0
+        kept = torch.cat([block_table[r, lead:s], block_table[r, s + n :]])
+        table[r, : kept.numel()] = kept
+        table[r, kept.numel() :] = 0
+        lens[r] -= (lead + n) * block_size
     return table, lens, rows

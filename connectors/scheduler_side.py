@@ -10,6 +10,9 @@ Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at toke
     logical tokens  s ........................ s+n*C | computed by vLLM ->
     slots           [ kept c0 | kept c1 | .. ][ hole: (C-K)*n tokens ][ tail .. ]
                     s          s+K         s+n*K                    s+n*C
+
+Sliding-window layers also skip slots ``[0, s+(n-1)*K)`` (the hole's ``window_lead``): only
+the last chunk's kept rows (its last K tokens) sit at their logical distance from the tail.
 """
 
 from __future__ import annotations
@@ -192,6 +195,7 @@ class SchedulerHalf:
                 first_block=tracked.block_ids[0],
                 start_block=(start + len(chunks) * self.kept) // bs,
                 num_blocks=hole_tokens // bs,
+                window_lead=(start + (len(chunks) - 1) * self.kept) // bs,
             )
 
     def capture_positions(self, prompt_len: int) -> list[int]:

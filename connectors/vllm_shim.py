@@ -220,6 +220,24 @@ def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
 
 
+def sliding_window(layer: Any) -> int | None:
+    """Keys one query of ``layer`` attends to (itself included), or None for full attention.
+
+    Feature detection: the attention layer's ``sliding_window`` (int or None), else its
+    implementation's (the CPU backend stores -1 for none; FlashAttention a ``(left, right)``
+    pair with ``left = window - 1``, ``(-1, -1)`` for none).
+    """
+    if hasattr(layer, "sliding_window"):
+        window = layer.sliding_window
+    else:
+        window = getattr(layer.impl, "sliding_window", None)
+    if isinstance(window, tuple | list):
+        window = int(window[0]) + 1 if window and int(window[0]) >= 0 else None
+    if window is None or int(window) <= 0:
+        return None
+    return int(window)
+
+
 BeforeHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], Any]
 AfterHook = Callable[[str, Any, torch.Tensor, Any, torch.Tensor], None]
 
@@ -285,9 +303,20 @@ def slot_mapping(metadata: Any) -> torch.Tensor:
 
 
 def apply_holes(
-    metadata: Any, holes: dict[int, Hole], block_size: int, layer: Any, dtype: torch.dtype
+    metadata: Any,
+    holes: dict[int, Hole],
+    block_size: int,
+    layer: Any,
+    dtype: torch.dtype,
+    *,
+    sliding: bool = False,
+    group_window: int | None = None,
 ) -> Any:
     """A copy of one attention metadata object with holes skipped (or the same object).
+
+    One metadata object serves every layer of a KV-cache group, sliding-window and full
+    layers alike (vLLM turns its hybrid manager off with a connector), so the caller asks
+    for one copy per kind of layer.
 
     Args:
         metadata: the backend's per-layer attention metadata for this step.
@@ -295,16 +324,23 @@ def apply_holes(
         block_size: tokens per block.
         layer: an attention layer of the metadata's KV-cache group (kernel parameters).
         dtype: the model dtype.
+        sliding: the copy serves sliding-window layers (also cuts each hole's
+            ``window_lead``, see :mod:`connectors.holes`).
+        group_window: the window every layer of the group shares, None when they differ
+            or have none: vLLM's CPU builder schedules the group's kernel work with it,
+            and so does the copy.
     """
     num_reqs = int(metadata.query_start_loc.numel()) - 1
-    edited = skip_holes(metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size)
+    edited = skip_holes(
+        metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size, sliding
+    )
     if edited is None:
         return metadata
     table, lens, _ = edited
     max_len = int(lens[:num_reqs].max())
     name = type(metadata).__name__
     if name == "CPUAttentionMetadata":
-        return _cpu_metadata(metadata, table, lens, max_len, layer, dtype)
+        return _cpu_metadata(metadata, table, lens, max_len, layer, dtype, group_window)
     if name == "FlashAttentionMetadata":
         return _flash_metadata(metadata, table, lens, max_len)
     raise ValueError(
@@ -320,6 +356,7 @@ def _cpu_metadata(
     max_len: int,
     layer: Any,
     dtype: torch.dtype,
+    group_window: int | None,
 ) -> Any:
     from vllm import _custom_ops as ops
     from vllm import envs
@@ -336,7 +373,7 @@ def _cpu_metadata(
         dtype=dtype,
         query_start_loc=metadata.query_start_loc,
         causal=metadata.causal,
-        sliding_window_size=impl.sliding_window,
+        sliding_window_size=-1 if group_window is None else group_window,
         isa=layer.isa,
         enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         dynamic_causal=None,

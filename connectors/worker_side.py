@@ -54,10 +54,11 @@ class WorkerHalf:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layers: dict[str, Any] = {}
         self.layer_index: dict[str, int] = {}
+        self.windows: dict[str, int | None] = {}  # sliding window per layer (None: full)
         self.observers: list[AttentionObserver] = []
         self._meta: StepMetadata | None = None
         self._prepared = False
-        self._edited: dict[int, Any] = {}
+        self._edited: dict[tuple[int, bool], Any] = {}  # (id(metadata), sliding) -> copy
         self._capture_rows: dict[str, torch.Tensor] = {}
         self._captured: dict[str, list[list[torch.Tensor]]] = {}
         self._captured_pos: dict[str, list[int]] = {}
@@ -95,6 +96,8 @@ class WorkerHalf:
         shim.check_page_layout(self.facts, self.kv_caches[first], self.layers[first])
         for name, layer in self.layers.items():
             shim.wrap_attention_forward(name, layer, self._before_attention, self._after_attention)
+        self.windows = {name: shim.sliding_window(layer) for name, layer in self.layers.items()}
+        self._log_sliding()
         logger.info(
             "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
             len(self.layers),
@@ -103,6 +106,35 @@ class WorkerHalf:
             self.kept,
             self.config.chunk_size,
         )
+
+    @property
+    def sliding_layers(self) -> frozenset[int]:
+        """Indices of the sliding-window layers (their plans keep the most recent tokens)."""
+        return frozenset(self.layer_index[n] for n, w in self.windows.items() if w is not None)
+
+    def _log_sliding(self) -> None:
+        windows = {w for w in self.windows.values() if w is not None}
+        if not windows:
+            return
+        smallest = min(windows)
+        logger.info(
+            "LMCompactConnector worker: %d of %d layers use a sliding window (%s tokens); "
+            "after compaction they keep the most recent tokens, and their attention skips "
+            "what would sit at a wrong distance",
+            len(self.sliding_layers),
+            len(self.layers),
+            "/".join(str(w) for w in sorted(windows)),
+        )
+        if self.config.compacts and self.kept < smallest:
+            logger.warning(
+                "kept %d tokens per chunk < sliding window %d: after a store load, sliding "
+                "layers see only the last %d tokens of the loaded prefix (exact masking, "
+                "fewer tokens); a budget keeping >= %d tokens per chunk loses nothing there",
+                self.kept,
+                smallest,
+                self.kept,
+                smallest,
+            )
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: StepMetadata) -> None:
@@ -179,16 +211,27 @@ class WorkerHalf:
         return rows
 
     def _skip_holes(self, meta: StepMetadata, per_layer: dict[str, Any]) -> None:
-        """Swap every layer's metadata for a copy whose block tables skip the holes."""
+        """Swap every layer's metadata for a copy whose block tables skip the holes.
+
+        Layers of one KV-cache group share one metadata object; sliding-window layers get
+        their own copy (it also skips each hole's ``window_lead``), keyed by the kind.
+        """
+        groups: dict[int, set[int | None]] = {}
         for name, attn_metadata in per_layer.items():
-            key = id(attn_metadata)
+            groups.setdefault(id(attn_metadata), set()).add(self.windows.get(name))
+        for name, attn_metadata in per_layer.items():
+            sliding = self.windows.get(name) is not None
+            key = (id(attn_metadata), sliding)
             if key not in self._edited:
+                shared = groups[id(attn_metadata)]
                 self._edited[key] = shim.apply_holes(
                     attn_metadata,
                     meta.holes,
                     self.facts.block_size,
                     self.layers[name],
                     self.facts.dtype,
+                    sliding=sliding,
+                    group_window=next(iter(shared)) if len(shared) == 1 else None,
                 )
             per_layer[name] = self._edited[key]
 
@@ -197,7 +240,8 @@ class WorkerHalf:
     ) -> Any:
         if not self._prepared and self._meta is not None:
             self.prepare(shim.current_forward_context())
-        return self._edited.get(id(attn_metadata), attn_metadata)
+        key = (id(attn_metadata), self.windows.get(name) is not None)
+        return self._edited.get(key, attn_metadata)
 
     def _after_attention(
         self, name: str, layer: Any, query: torch.Tensor, attn_metadata: Any, output: torch.Tensor
@@ -255,7 +299,14 @@ class WorkerHalf:
     def _run_job(self, job: SaveJob) -> None:
         try:
             began = time.perf_counter()
-            items = compact_job(job, self.layout, self.policy, self.config.chunk_size, self.kept)
+            items = compact_job(
+                job,
+                self.layout,
+                self.policy,
+                self.config.chunk_size,
+                self.kept,
+                recent_layers=self.sliding_layers,
+            )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
             with self._lock:

@@ -13,7 +13,7 @@ Policies produce plans; layouts (RaggedKV, the vLLM connector) apply them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,35 @@ class KeepPlan:
             seq_len=masks.shape[-1],
             kept=tuple(
                 tuple(torch.nonzero(m, as_tuple=False).flatten() for m in layer) for layer in masks
+            ),
+        )
+
+    def with_recent(self, layers: Iterable[int], count: int) -> KeepPlan:
+        """A copy whose ``layers`` keep their ``count`` most recent tokens, every head.
+
+        Sliding-window layers of a model need this after compaction inside vLLM: its kernel
+        masks the window by key index, which equals the logical distance only when the
+        kept tokens are a contiguous suffix packed in order (see ``connectors/holes.py``).
+        Applied after ``policy.plan`` so every policy gets it; other layers are untouched.
+
+        Args:
+            layers: layer indices to override (out-of-range indices raise).
+            count: tokens kept, ``1 <= count <= seq_len``.
+        """
+        chosen = sorted(set(layers))
+        if not chosen:
+            return self
+        if not 1 <= count <= self.seq_len:
+            raise ValueError(f"count must be in [1, {self.seq_len}], got {count}")
+        if chosen[0] < 0 or chosen[-1] >= self.num_layers:
+            raise ValueError(f"layers {chosen} outside [0, {self.num_layers})")
+        recent = torch.arange(self.seq_len - count, self.seq_len, dtype=torch.int64)
+        override = set(chosen)
+        return KeepPlan(
+            seq_len=self.seq_len,
+            kept=tuple(
+                tuple(recent for _ in heads) if layer in override else heads
+                for layer, heads in enumerate(self.kept)
             ),
         )
 

@@ -195,10 +195,37 @@ class LMCompactMemoryConnector(LMCompactConnector):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        self._refuse_with_sliding_layers()
         if self.planner.per_head_slack is not None:
             self.perhead = make_perhead_attention(self._worker())
         if self.planner.decode_recent_blocks is not None:
             self.heavy = make_heavy_hitter_scores(self._worker())
+
+    def _refuse_with_sliding_layers(self) -> None:
+        """Start-up refusal of what cannot be exact with sliding-window layers.
+
+        vLLM masks their window by key index; the exact ways to keep that index the logical
+        distance (:mod:`connectors.holes`) need every head of a sliding layer to hold one
+        contiguous run of recent tokens. Per-head counts (padding masked by a second
+        attention pass without a window) and H2O decode (heavy hitters merged into the kept
+        region, scored without a window) break that.
+        """
+        worker = self._worker()
+        sliding = sorted(worker.sliding_layers)
+        if not sliding:
+            return
+        refused = []
+        if self.planner.per_head_slack is not None:
+            refused.append("memory.per_head (per-head counts)")
+        if self.planner.decode_recent_blocks is not None:
+            refused.append("memory.decode_policy 'h2o'")
+        if refused:
+            raise ValueError(
+                f"{' and '.join(refused)} cannot be exact on a model with sliding-window "
+                f"layers ({len(sliding)} of {len(worker.layers)} here): vLLM masks their "
+                "window by key index, which these modes do not keep equal to the logical "
+                "distance. Use a uniform policy (per_head off) and decode_policy 'recent'"
+            )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -239,6 +266,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 self._policy,
                 windows[job.req_id],
                 reserved=None if self.perhead is None else job.reserved,
+                recent_layers=worker.sliding_layers,
             )
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
@@ -248,7 +276,13 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.pack_stats["packs"] += 1
             self.pack_stats["tokens"] += job.num_tokens
             self.pack_stats["seconds"] += time.perf_counter() - began
-            logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
+            logger.info(
+                "compacted %s in place: kept %d of %d prompt tokens per (layer, head) (%s)",
+                job.req_id,
+                job.kept,
+                job.num_tokens,
+                self.config.policy,
+            )
 
     def _window(self, req_id: str) -> WindowQueries | None:
         worker = self._worker()

@@ -56,6 +56,7 @@ def plan_pack(
     window: WindowQueries | None,
     reserved: int | None = None,
     kernel_dtype: torch.dtype | None = None,
+    recent_layers: frozenset[int] = frozenset(),
 ) -> list[list[torch.Tensor]]:
     """Kept token indices per (layer, head), sorted.
 
@@ -69,7 +70,13 @@ def plan_pack(
             own count, clipped to ``[1, reserved]``; when clipping brings the mean below
             ``kept``, the policy is asked for more until the clipped mean is ``kept`` again.
         kernel_dtype: dtype of the window-score kernel on CUDA (the cache dtype).
+        recent_layers: sliding-window layers: they keep the span's ``kept`` most recent
+            tokens whatever the policy chose (:meth:`lmcompact.plan.KeepPlan.with_recent`),
+            so slot ``s`` holds token ``num_tokens - kept + s`` and vLLM's window mask by
+            key index is the logical one. Not with ``reserved``.
     """
+    if recent_layers and reserved is not None:
+        raise ValueError("per-head counts (reserved) cannot be combined with recent_layers")
     num_tokens = per_layer[0][0].shape[1]
     observations = []
     for index, (keys, values) in enumerate(per_layer):
@@ -93,7 +100,7 @@ def plan_pack(
     def plan_for(ask: int) -> KeepPlan:
         return policy.plan(CompactionInputs(num_tokens, num_heads, observations, budget_tokens=ask))
 
-    plan = plan_for(kept)
+    plan = plan_for(kept).with_recent(recent_layers, kept)
     heads = range(num_heads)
     layers = range(len(per_layer))
     if reserved is None:
@@ -151,6 +158,7 @@ def pack_in_place(
     policy: CompactionPolicy,
     window: WindowQueries | None = None,
     reserved: int | None = None,
+    recent_layers: frozenset[int] = frozenset(),
 ) -> list[list[torch.Tensor]]:
     """Pack each (layer, head)'s kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
 
@@ -165,6 +173,8 @@ def pack_in_place(
         reserved: per-head counts: slots each head holds (block aligned, ``kept <=
             reserved < num_tokens``); each head keeps its own count, zero-padded up to it.
             None: every head keeps exactly ``kept``.
+        recent_layers: sliding-window layers, which keep the most recent ``kept`` tokens
+            (see :func:`plan_pack`).
 
     Returns:
         The kept indices per (layer, head); with ``reserved`` their lengths are the counts
@@ -179,7 +189,7 @@ def pack_in_place(
         )
     per_layer = [layout.read(kv, block_ids, 0, num_tokens) for kv in kv_layers]
     per_layer = [(k.float(), v.float()) for k, v in per_layer]
-    chosen = plan_pack(per_layer, policy, kept, window, reserved, kv_layers[0].dtype)
+    chosen = plan_pack(per_layer, policy, kept, window, reserved, kv_layers[0].dtype, recent_layers)
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved, per_layer)
         return chosen

@@ -38,6 +38,12 @@ block row serves every head, so the hole starts after ``kr = min(ceil(kb * s), n
 reserved blocks; each head's kept tokens are packed into its first slots and padded to
 ``kr * bs`` (see :mod:`connectors.memory.perhead_attention`).
 
+Sliding-window layers (``HoleState.window_lead``, see :mod:`connectors.holes`): after a
+``pack`` their kept tokens are the span's most recent ones, so the kept blocks sit at their
+logical distance and they skip nothing more (lead 0). The sinks of ``blocks`` mode, and the
+kept region once a hole grew during decode, would sit closer than they are: sliding layers
+skip everything before the hole (lead = start).
+
 A hole opened at prefill end becomes visible (skipped by attention, released to the pool)
 only from the next step: that step's forward pass still attends to the whole prompt, and a
 pack reads hole blocks after it. The first block is never in a hole: the worker finds a
@@ -70,6 +76,7 @@ class HoleState:
         visible_from: first step in which attention skips it and its blocks may go back.
         owned: False when another component (a store load) opened the hole; it is then only
             released, never grown.
+        window_lead: leading blocks sliding-window layers skip as well (``<= start``).
     """
 
     first_block: int
@@ -77,6 +84,7 @@ class HoleState:
     length: int
     visible_from: int
     owned: bool = True
+    window_lead: int = 0
 
     @property
     def stop(self) -> int:
@@ -200,11 +208,19 @@ class HolePlanner:
         sinks = min(self.sink_blocks, kb)
         recent = kb - sinks
         self.holes[req_id] = HoleState(
-            first_block, sinks, nb - recent - sinks, visible_from=step + 1
+            first_block, sinks, nb - recent - sinks, visible_from=step + 1, window_lead=sinks
         )
         return None
 
-    def adopt(self, req_id: str, first_block: int, start: int, length: int, step: int) -> None:
+    def adopt(
+        self,
+        req_id: str,
+        first_block: int,
+        start: int,
+        length: int,
+        step: int,
+        window_lead: int = 0,
+    ) -> None:
         """Record a hole someone else opened (a packed store load) so its blocks go back."""
         if start < 1 or length < 1:
             raise ValueError(
@@ -218,7 +234,7 @@ class HolePlanner:
             )
         if current is None:
             self.holes[req_id] = HoleState(
-                first_block, start, length, visible_from=step, owned=False
+                first_block, start, length, visible_from=step, owned=False, window_lead=window_lead
             )
 
     # ------------------------------------------------------------------ decode
@@ -243,7 +259,7 @@ class HolePlanner:
             start = self.sink_blocks
             if self.decode_recent_blocks is not None:  # H2O: room for a kept region
                 start = budget - self.decode_recent_blocks
-            hole = HoleState(first_block, start, 0, visible_from=step)
+            hole = HoleState(first_block, start, 0, visible_from=step, window_lead=start)
             self.holes[req_id] = hole
         if not hole.owned or hole.visible_from > step:
             return False
@@ -253,6 +269,8 @@ class HolePlanner:
             return False
         grow = min(outside - budget, full - hole.stop)
         hole.length += grow
+        if grow > 0:
+            hole.window_lead = hole.start  # the kept region no longer sits at its distance
         return grow > 0
 
     # ------------------------------------------------------------------ queries

