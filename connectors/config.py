@@ -33,6 +33,7 @@ from lmcompact.policies import (
 from lmcompact.store import StoreConfig
 
 TIERS = ("cpu", "redis")
+COMPACT_ON = ("save", "load")
 UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
 
 
@@ -58,6 +59,13 @@ class ConnectorConfig:
         async_save: compact and store on a background thread (the forward pass only waits
             for a page copy); False does it inline (deterministic, slower).
         model_id: name that enters the store namespace; None uses the engine's model path.
+        compact_on: when the policy runs on a stored prefix. ``"save"``: chunks are compacted
+            when they are saved (the observation window is the end of the saving prompt) and
+            stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
+            ``none``, never mixed with compacted entries) and the loading request's own
+            prefill packs them in place with the policy, its window being that request's
+            tail (its question); needs :class:`LMCompactMemoryConnector` with a compacting
+            ``memory.prefill`` mode.
     """
 
     policy: str = "none"
@@ -73,6 +81,7 @@ class ConnectorConfig:
     load: bool = True
     async_save: bool = True
     model_id: str | None = None
+    compact_on: str = "save"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -142,6 +151,10 @@ class ConnectorConfig:
                 isinstance(getattr(self, name), bool),
                 f"{name} must be true or false, got {getattr(self, name)!r}",
             )
+        need(
+            self.compact_on in COMPACT_ON,
+            f"compact_on must be one of {list(COMPACT_ON)}, got {self.compact_on!r}",
+        )
         self.make_policy()  # unknown policy or bad parameters raise here
         self.store_config()
 
@@ -151,6 +164,11 @@ class ConnectorConfig:
         """True when stored chunks may hold fewer tokens than they cover."""
         return self.policy != "none" and float(self.budget) < 1.0
 
+    @property
+    def store_compacts(self) -> bool:
+        """True when the store holds compacted chunks (``compact_on`` ``"save"``)."""
+        return self.compacts and self.compact_on == "save"
+
     def make_policy(self) -> CompactionPolicy:
         params = dict(self.policy_params)
         if "budget" in params:
@@ -159,10 +177,22 @@ class ConnectorConfig:
             params["budget"] = Budget(ratio=float(self.budget))
         return make_policy(self.policy, **params)
 
+    def store_policy(self) -> CompactionPolicy:
+        """The policy applied when chunks are saved: ``none`` unless they are stored
+        compacted."""
+        return self.make_policy() if self.store_compacts else make_policy("none")
+
+    @property
+    def store_policy_name(self) -> str:
+        return self.policy if self.store_compacts else "none"
+
     def namespace_params(self) -> dict[str, Any]:
-        """Policy identity that enters the store namespace (plain JSON data)."""
+        """Policy identity that enters the store namespace (plain JSON data); whole chunks
+        (policy ``none``, or ``compact_on`` ``"load"``) share one namespace."""
+        if not self.store_compacts:
+            return {"budget": 1.0}
         params = dict(self.policy_params)
-        params["budget"] = float(self.budget) if self.compacts else 1.0
+        params["budget"] = float(self.budget)
         return params
 
     def store_config(self) -> StoreConfig:
@@ -173,8 +203,9 @@ class ConnectorConfig:
         )
 
     def kept_per_chunk(self, block_size: int) -> int:
-        """Tokens each (layer, head) keeps of one chunk: the budget in whole blocks (>= 1)."""
-        if not self.compacts:
+        """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
+        (>= 1); the whole chunk when chunks are stored uncompacted."""
+        if not self.store_compacts:
             return self.chunk_size
         blocks = self.chunk_size // block_size
         kept_blocks = min(blocks, max(1, round(float(self.budget) * blocks)))
@@ -231,7 +262,8 @@ def validate_against_engine(
         )
     if per_head_counts:
         return
-    kept = config.kept_per_chunk(block_size)
+    # the count the policy must honour per chunk, whether it runs at save or at load
+    kept = dataclasses.replace(config, compact_on="save").kept_per_chunk(block_size)
     plan = policy.plan(probe_inputs(config, policy, num_layers, num_kv_heads, head_dim, kept))
     counts = plan.kept_counts()
     if not bool((counts == kept).all()):

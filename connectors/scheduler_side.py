@@ -77,7 +77,7 @@ class SchedulerHalf:
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
-        self.policy = config.make_policy()
+        self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self._requests: dict[str, _Tracked] = {}
         self._reported: set[ChunkKey] = set()  # stored, as the worker said
         self._saving: dict[ChunkKey, float] = {}  # save planned -> monotonic time planned

@@ -51,7 +51,7 @@ class WorkerHalf:
         self.facts = facts
         self.vllm_config = vllm_config
         self.store = store
-        self.policy = config.make_policy()
+        self.policy = config.store_policy()  # `none` when chunks are stored whole
         self.rope = shim.rope_of(vllm_config) if Need.WINDOW_QUERIES in self.policy.needs else None
         self.kept = config.kept_per_chunk(facts.block_size)
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)

@@ -41,11 +41,15 @@ from connectors.memory.heavy_hitters import (
 )
 from connectors.memory.packing import WindowQueries, pack_in_place
 from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
-from connectors.memory.planner import HolePlanner
+from connectors.memory.planner import HolePlanner, PrefillMode
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
+from lmcompact.policies import Need
 
 logger = logging.getLogger(__name__)
+
+PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
+"""Inputs :func:`connectors.memory.packing.plan_pack` does not compute."""
 
 
 class MemoryMetadata(LMCompactMetadata):
@@ -72,6 +76,8 @@ class MemoryMetadata(LMCompactMetadata):
 class LMCompactMemoryConnector(LMCompactConnector):
     """Compaction connector that gives dropped tokens' blocks back to vLLM."""
 
+    packs_in_place = True
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer = vllm_config.kv_transfer_config
         original = dict(transfer.kv_connector_extra_config or {})
@@ -83,9 +89,27 @@ class LMCompactMemoryConnector(LMCompactConnector):
         finally:
             transfer.kv_connector_extra_config = original
         bs = self.facts.block_size
+        prefill_mode = self.memory.prefill_mode(self.config.policy, self.config.compacts)
+        if (
+            self.config.compacts
+            and self.config.compact_on == "load"
+            and prefill_mode is PrefillMode.OFF
+        ):
+            raise ValueError(
+                "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                "request's prefill: memory.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
+            )
+        unpackable = self.config.make_policy().needs & PACK_UNSUPPORTED
+        if self.config.compacts and prefill_mode is PrefillMode.PACK and unpackable:
+            raise ValueError(
+                f"policy {self.config.policy!r} needs {unpackable}, which the in-place pack "
+                "does not compute (it scores with keys and the window's attention); use it on "
+                "the store path (compact_on 'save', memory.prefill 'off') or pack with "
+                "snapkv, knorm, tova, streaming_llm"
+            )
         self.planner = HolePlanner(
             block_size=bs,
-            prefill_mode=self.memory.prefill_mode(self.config.policy, self.config.compacts),
+            prefill_mode=prefill_mode,
             budget=float(self.config.budget),
             sink_blocks=self.memory.sink_blocks,
             decode_budget_blocks=self.memory.decode_budget_blocks(bs),
