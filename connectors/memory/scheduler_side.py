@@ -22,6 +22,23 @@ A block released in schedule ``t+1`` can be handed to another request in that sc
 and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
 so the pack in ``t`` has read it before anyone writes it.
 
+Admission without thrash (``reserve_growth``): vLLM admits a waiting request when its
+next chunk fits in the free blocks; blocks freed by holes make room for more requests than
+the pool can carry once their generations grow, and vLLM then preempts (and recomputes,
+and re-packs) running requests. The wrapped ``allocate_slots`` therefore refuses a request
+that holds no block yet (an admission; vLLM keeps it waiting) unless::
+
+    free_blocks - need(new) >= sum over running r of pending(r)
+
+    need(new)  = max(cdiv(P, bs), cdiv(P + M, bs) - hole(P))    its peak holding
+    pending(r) = max(prompt blocks r still has to allocate,
+                     cdiv(P + M, bs) - len(row(r)) - hole still to come back)
+
+with P the prompt, M ``max_tokens`` and ``hole(P)`` the blocks a prompt of P tokens gives
+back at prefill end (0 when it is not compacted). A request admitted under this rule always
+finds its growth in the pool, so only requests that vLLM would have preempted anyway (none
+here when nothing else allocates) are. When no request is running, nothing is refused.
+
 H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
 tokens are still needed; the :class:`connectors.memory.heavy_hitters.MergeJob` (with the
 block's physical id, taken before the release) goes into step ``t``'s metadata and the
@@ -74,6 +91,9 @@ class MemoryStats:
     blocks_released: int = 0
     blocks_kept_shared: int = 0
     holes_adopted: int = 0
+    repacks: int = 0
+    preemptions: int = 0
+    admissions_deferred: int = 0
     peak_held: dict[str, int] = field(default_factory=dict)
 
 
@@ -90,7 +110,13 @@ class MemoryScheduler:
     """
 
     def __init__(
-        self, planner: HolePlanner, block_size: int, window: int, capture: bool, needs_scores: bool
+        self,
+        planner: HolePlanner,
+        block_size: int,
+        window: int,
+        capture: bool,
+        needs_scores: bool,
+        reserve_growth: bool = True,
     ) -> None:
         self.planner = planner
         self.block_size = block_size
@@ -102,6 +128,8 @@ class MemoryScheduler:
         self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
+        self.reserve_growth = reserve_growth
+        self.packed: set[str] = set()  # requests packed at least once (re-pack counting)
         self.stats = MemoryStats()
 
     # ------------------------------------------------------------------ binding
@@ -117,6 +145,8 @@ class MemoryScheduler:
 
         @wraps(allocate)
         def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.admits(request):
+                return None  # vLLM keeps the request waiting, as when the pool is full
             self.before_allocate(request)
             return allocate(request, *args, **kwargs)
 
@@ -144,6 +174,61 @@ class MemoryScheduler:
                 "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
             )
         return self.ledger
+
+    # ------------------------------------------------------------------ admission
+    def _hole_blocks(self, prompt_len: int) -> int:
+        """Blocks a fresh prompt of ``prompt_len`` tokens gives back at prefill end."""
+        nb = prompt_len // self.block_size
+        if self.planner.prefill_mode.value == "off" or nb < self.planner.min_prompt_blocks:
+            return 0
+        kb = self.planner.kept_blocks(nb)
+        if kb >= nb:
+            return 0
+        if self.planner.prefill_mode.value == "pack":
+            return nb - self.planner.reserved_blocks(kb, nb)
+        return nb - kb
+
+    def _final_blocks(self, request: Any) -> int | None:
+        """Logical blocks the request will have once it generated ``max_tokens``."""
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None:
+            return None
+        total = int(request.num_prompt_tokens) + int(max_tokens)
+        return -(-total // self.block_size)
+
+    def pending_blocks(self, request: Any) -> int:
+        """Blocks a running request may still take from the pool (see module doc)."""
+        final = self._final_blocks(request)
+        row = self._ledger().blocks(request.request_id)
+        if final is None:
+            return 0
+        prompt_len = int(request.num_prompt_tokens)
+        remaining = final - len(row)
+        if request.request_id in self.planner.holes:  # packed or hole planned: it came back
+            return max(0, remaining)
+        prompt_rest = -(-prompt_len // self.block_size) - len(row)
+        return max(0, prompt_rest, remaining - self._hole_blocks(prompt_len))
+
+    def admits(self, request: Any) -> bool:
+        """Whether a request may get blocks now (always, unless it is a new admission that
+        would eat the growth reserved for running requests)."""
+        if not self.reserve_growth or self.ledger is None:
+            return True
+        ledger = self.ledger
+        if ledger.blocks(request.request_id):
+            return True  # already running: its growth was reserved
+        running = [r for rid, r in self.live.items() if rid != request.request_id]
+        if not running:
+            return True
+        final = self._final_blocks(request)
+        prompt_len = int(request.num_prompt_tokens)
+        full = -(-prompt_len // self.block_size)
+        need = full if final is None else max(full, final - self._hole_blocks(prompt_len))
+        reserve = sum(self.pending_blocks(r) for r in running)
+        if ledger.num_free() - need >= reserve:
+            return True
+        self.stats.admissions_deferred += 1
+        return False
 
     # ------------------------------------------------------------------ hooks
     def before_allocate(self, request: Any) -> None:
@@ -221,6 +306,8 @@ class MemoryScheduler:
         packs: list[PackJob] = []
         step = self.step
         self.scored = {}
+        self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
+        self.packed -= shim.finished_req_ids(scheduler_output)
         for sched in shim.scheduled_requests(scheduler_output):
             request = self.live.get(sched.req_id)
             row = ledger.block_ids(sched.req_id)
@@ -245,6 +332,9 @@ class MemoryScheduler:
                         PackJob(sched.req_id, row, pack.num_tokens, pack.kept, pack.reserved)
                     )
                     self.stats.packs += 1
+                    if sched.req_id in self.packed:
+                        self.stats.repacks += 1  # recomputed after a preemption
+                    self.packed.add(sched.req_id)
         for req_id in list(self.planner.holes):
             if req_id not in self.live:
                 continue
