@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.holes import Hole, skip_holes
+from connectors.holes import Hole, skip_holes, skip_holes_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -296,12 +296,21 @@ def apply_holes(
         dtype: the model dtype.
     """
     num_reqs = int(metadata.query_start_loc.numel()) - 1
+    name = type(metadata).__name__
+    if name == "FlashAttentionMetadata" and metadata.block_table.is_cuda:
+        # every step of a served batch: no host round trip; the old maximum key length
+        # stays a valid bound for the kernel
+        on_device = skip_holes_on_device(
+            metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size
+        )
+        if on_device is None:
+            return metadata
+        return _flash_metadata(metadata, *on_device, int(metadata.max_seq_len))
     edited = skip_holes(metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size)
     if edited is None:
         return metadata
     table, lens, _ = edited
     max_len = int(lens[:num_reqs].max())
-    name = type(metadata).__name__
     if name == "CPUAttentionMetadata":
         return _cpu_metadata(metadata, table, lens, max_len, layer, dtype)
     if name == "FlashAttentionMetadata":
