@@ -130,6 +130,10 @@ class MemoryScheduler:
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
         self.reserve_growth = reserve_growth
         self.packed: set[str] = set()  # requests packed at least once (re-pack counting)
+        # per request: hole blocks below this logical index were already released, and how
+        # many blocks went back (each step then touches only what is new, not whole rows)
+        self._released_to: dict[str, int] = {}
+        self._freed: dict[str, int] = {}
         self.stats = MemoryStats()
 
     # ------------------------------------------------------------------ binding
@@ -244,7 +248,6 @@ class MemoryScheduler:
         )
         before = self.planner.holes.get(req_id)
         old_stop = None if before is None else before.stop
-        ids = [block.block_id for block in row]  # the merged blocks' ids, before release
         grown = self.planner.grow_for_decode(
             req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
         )
@@ -253,6 +256,7 @@ class MemoryScheduler:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
             if hole.start > self.planner.sink_blocks:
+                ids = [block.block_id for block in row]  # the merged blocks, before release
                 self.merges.append(
                     MergeJob(
                         req_id,
@@ -266,6 +270,8 @@ class MemoryScheduler:
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
         self.live.pop(req_id, None)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
 
@@ -292,7 +298,13 @@ class MemoryScheduler:
                 f"request {req_id!r}: block 0 is {row[0].block_id if row else None}, its hole "
                 f"was planned on block {hole.first_block}; a preemption was not seen"
             )
-        released = ledger.release(req_id, hole.start, min(hole.stop, len(row)))
+        lo = max(hole.start, self._released_to.get(req_id, hole.start))
+        hi = min(hole.stop, len(row))
+        if lo >= hi:
+            return
+        released = ledger.release(req_id, lo, hi)
+        self._released_to[req_id] = hi
+        self._freed[req_id] = self._freed.get(req_id, 0) + len(released.freed)
         self.stats.blocks_released += len(released.freed)
         self.stats.blocks_kept_shared += len(released.kept)
 
@@ -310,24 +322,26 @@ class MemoryScheduler:
         self.packed -= shim.finished_req_ids(scheduler_output)
         for sched in shim.scheduled_requests(scheduler_output):
             request = self.live.get(sched.req_id)
-            row = ledger.block_ids(sched.req_id)
-            if request is None or not row:
+            blocks = ledger.blocks(sched.req_id)
+            if request is None or not blocks:
                 continue
+            first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = meta.holes.get(row[0])
+            foreign = meta.holes.get(first)
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
-                    sched.req_id, row[0], foreign.start_block, foreign.num_blocks, step
+                    sched.req_id, first, foreign.start_block, foreign.num_blocks, step
                 )
                 self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
             if self.planner.decode_recent_blocks is not None and lo >= prompt_len:
-                self.scored[row[0]] = sched.req_id  # H2O: accumulate its decode attention
+                self.scored[first] = sched.req_id  # H2O: accumulate its decode attention
             if self.capture:
-                self._plan_capture(sched.req_id, row, prompt_len, lo, hi, meta)
+                self._plan_capture(sched.req_id, blocks, prompt_len, lo, hi, meta)
             if lo < prompt_len <= hi:
-                pack = self.planner.prefill_end(sched.req_id, prompt_len, row[0], step)
+                pack = self.planner.prefill_end(sched.req_id, prompt_len, first, step)
                 if pack is not None:
+                    row = [block.block_id for block in blocks]
                     packs.append(
                         PackJob(sched.req_id, row, pack.num_tokens, pack.kept, pack.reserved)
                     )
@@ -342,14 +356,14 @@ class MemoryScheduler:
             hole = self.planner.visible(req_id, step)
             if hole is not None:
                 meta.holes[hole.first_block] = Hole(hole.first_block, hole.start, hole.length)
-            held = ledger.held(req_id)
+            held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
             if held > self.stats.peak_held.get(req_id, 0):
                 self.stats.peak_held[req_id] = held
         self.step += 1
         return packs
 
     def _plan_capture(
-        self, req_id: str, row: list[int], prompt_len: int, lo: int, hi: int, meta: StepMetadata
+        self, req_id: str, row: list[Any], prompt_len: int, lo: int, hi: int, meta: StepMetadata
     ) -> None:
         bs = self.block_size
         window_lo = max(prompt_len - self.window, lo)
@@ -357,7 +371,7 @@ class MemoryScheduler:
         if window_lo >= window_hi:
             return
         positions = list(range(window_lo, window_hi))
-        slots = [row[p // bs] * bs + p % bs for p in positions]
+        slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
         meta.captures.append(CaptureSpec(req_id, slots, positions))
 
 
