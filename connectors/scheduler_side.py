@@ -241,7 +241,7 @@ class SchedulerHalf:
                 first_block=tracked.block_ids[0],
                 start_block=(start + count * self.kept) // bs,
                 num_blocks=hole_tokens // bs,
-                window_lead=(start + (len(chunks) - 1) * self.kept) // bs,
+                window_lead=(start + (count - 1) * self.kept) // bs,
             )
 
     def load_unconfirmed(self, req_id: str) -> bool:
@@ -249,6 +249,7 @@ class SchedulerHalf:
         (its hole blocks must stay held: a failed load is recomputed into them)."""
         tracked = self._requests.get(req_id)
         return tracked is not None and tracked.load_start is not None
+
     def capture_positions(self, prompt_len: int) -> list[int]:
         """Sorted prompt positions whose queries the worker copies for the save: the last
         ``window`` (observation window) and the policy's ``context_queries`` (KVzip's

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.holes import Hole, skip_holes
+from connectors.holes import Hole, skip_holes, skip_holes_on_device
 from lmcompact.attention.rope import Rope
 
 logger = logging.getLogger(__name__)
@@ -359,6 +359,17 @@ def apply_holes(
             and so does the copy.
     """
     num_reqs = int(metadata.query_start_loc.numel()) - 1
+    name = type(metadata).__name__
+    plain = not sliding and not any(hole.window_lead for hole in holes.values())
+    if plain and name == "FlashAttentionMetadata" and metadata.block_table.is_cuda:
+        # every step of a served batch: no host round trip; the old maximum key length
+        # stays a valid bound for the kernel (sliding-window cuts take the host path)
+        on_device = skip_holes_on_device(
+            metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size
+        )
+        if on_device is None:
+            return metadata
+        return _flash_metadata(metadata, *on_device, int(metadata.max_seq_len))
     edited = skip_holes(
         metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size, sliding
     )
@@ -366,7 +377,6 @@ def apply_holes(
         return metadata
     table, lens, _ = edited
     max_len = int(lens[:num_reqs].max())
-    name = type(metadata).__name__
     if name == "CPUAttentionMetadata":
         return _cpu_metadata(metadata, table, lens, max_len, layer, dtype, group_window)
     if name == "FlashAttentionMetadata":

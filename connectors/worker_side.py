@@ -314,7 +314,9 @@ class WorkerHalf:
             index = self.layer_index[name]
             for req_id, rows in self._capture_rows.items():
                 q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
-                self._captured[req_id][index].append(q.detach().to("cpu", copy=True))
+                # stays on the device (no host sync per layer): the GPU pack reads it there,
+                # the save path copies it to the host in _copy_job
+                self._captured[req_id][index].append(q.detach().clone())
         for observer in self.observers:
             observer(name, query, attn_metadata, output)
 
@@ -344,7 +346,7 @@ class WorkerHalf:
         queries = None
         query_positions = None
         if captured and positions and all(captured):
-            queries = [torch.cat(parts).float() for parts in captured]
+            queries = [torch.cat(parts).float().cpu() for parts in captured]
             query_positions = torch.tensor(positions, dtype=torch.int64)
         first_layer = next(iter(self.layers.values()))
         return SaveJob(
