@@ -76,6 +76,7 @@ another version found under a valid key is refused, so the chunk is recomputed a
 overwritten."""
 
 CHECKSUM_BYTES = 16
+_COUNTS_CACHE = 256  # distinct kept-count layouts remembered by a codec
 
 # Decoded tensors are views of the (immutable) value bytes; torch warns once about that.
 warnings.filterwarnings(
@@ -206,6 +207,7 @@ class ChunkCodec:
         self._ns = namespace.digest()
         self._lock = threading.Lock()
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._counts: dict[tuple[bytes, int, int, int, int], torch.Tensor] = {}
 
     def encode(self, chunk: CompactedChunk) -> EncodedValue:
         """Frame ``chunk`` (any device) as one self-checking value, without copying its
@@ -265,6 +267,7 @@ class ChunkCodec:
         if len(mv) < _PREFIX.size + hlen:
             raise TruncatedEntryError(f"value of {len(mv)} bytes ends inside its header")
         h = self._parse_header(mv[_PREFIX.size : _PREFIX.size + hlen])
+        counts = self._kept_counts(h)
         dtype = SUPPORTED_DTYPES[h["dt"]]
         expected = packed_nbytes(h["n"], h["dk"], h["dv"], dtype.itemsize)
         if h["plen"] != expected:
@@ -285,7 +288,6 @@ class ChunkCodec:
         if n and int(np.frombuffer(data, dtype="<u4", count=n, offset=off).max()) >= nt:
             raise ShapeMismatchError(f"positions outside [0, {nt})")
         positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
-        counts = torch.frombuffer(bytearray(h["kc"]), dtype=torch.int32).view(h["L"], h["H"])
         return CompactedChunk._trusted(keys, values, counts, positions, nt)
 
     def _parse_header(self, raw: memoryview) -> dict[str, Any]:
@@ -321,14 +323,30 @@ class ChunkCodec:
             raise ShapeMismatchError(
                 f"kept counts have {len(h['kc'])} bytes, expected {4 * h['L'] * h['H']}"
             )
+        return h
+
+    def _kept_counts(self, h: dict[str, Any]) -> torch.Tensor:
+        """The header's kept counts, checked against ``n`` and ``nt``, as ``(L, H)`` int32.
+
+        Chunks of one model and budget share their counts, so checked tensors are reused
+        (chunks are immutable; a tier shares ``kept_counts`` between copies the same way).
+        """
+        key = (h["kc"], h["L"], h["H"], h["n"], h["nt"])
+        counts = self._counts.get(key)
+        if counts is not None:
+            return counts
         # as uint32 a negative count reads >= 2**31, so the max checks both bounds
-        counts = np.frombuffer(h["kc"], dtype="<u4")
-        total = int(counts.sum(dtype=np.uint64))
-        if total != h["n"] or int(counts.max()) > h["nt"]:
+        raw = np.frombuffer(h["kc"], dtype="<u4")
+        total = int(raw.sum(dtype=np.uint64))
+        if total != h["n"] or int(raw.max()) > h["nt"]:
             raise ShapeMismatchError(
                 f"kept counts (sum {total}) inconsistent with n={h['n']}, nt={h['nt']}"
             )
-        return h
+        counts = torch.frombuffer(bytearray(h["kc"]), dtype=torch.int32).view(h["L"], h["H"])
+        if len(self._counts) >= _COUNTS_CACHE:
+            self._counts.clear()
+        self._counts[key] = counts
+        return counts
 
 
 def _views(
