@@ -5,7 +5,8 @@ one request per needle asks a different question and loads the stored (compacted
         --policies kvzip,expected_attention,snapkv,knorm,streaming_llm --budgets 0.5,0.25 \
         --json /tmp/agnostic.json
 
-A policy may carry parameters: ``kvzip:repeat=false/max_queries=4096``.
+A policy may carry parameters: ``kvzip:repeat=false/max_queries=4096`` (``window=N`` sets
+the connector's observation window).
 Prints one row per (policy, budget): accuracy over samples x needles, store hits, and the
 save-path compaction seconds; the full cache (no connector) is the first row.
 """
@@ -89,6 +90,8 @@ def main() -> None:
         }
         for budget in (float(b) for b in args.budgets.split(",")):
             extra = {"policy": policy, "budget": budget, "chunk_size": args.chunk_size}
+            if "window" in policy_params:  # the connector's option, not the policy's
+                extra["window"] = policy_params.pop("window")
             if policy_params:
                 extra["policy_params"] = policy_params
             cells.append((spec, budget, extra))
