@@ -188,7 +188,10 @@ def observe_context(
     assert job.query_positions is not None
     q = queries[rows].to(keys.device).permute(1, 0, 2).unsqueeze(0)  # (1, Hq, S, D)
     positions = job.query_positions[rows].to(keys.device) - job.start
-    scores = context_scores(q, keys.unsqueeze(0), positions, scale=job.scale)
+    shift = policy.context_shift(job.prompt_len) if job.rope is not None else None
+    scores = context_scores(
+        q, keys.unsqueeze(0), positions, scale=job.scale, shift=shift, rope=job.rope
+    )
     return scores[0]
 
 

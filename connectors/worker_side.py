@@ -52,7 +52,8 @@ class WorkerHalf:
         self.vllm_config = vllm_config
         self.store = store
         self.policy = config.store_policy()  # `none` when chunks are stored whole
-        self.rope = shim.rope_of(vllm_config) if Need.WINDOW_QUERIES in self.policy.needs else None
+        rotates = self.policy.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
+        self.rope = shim.rope_of(vllm_config) if rotates else None
         self.kept = config.kept_per_chunk(facts.block_size)
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
         self.kv_caches: dict[str, torch.Tensor] = {}
