@@ -187,6 +187,13 @@ class SchedulerHalf:
         meta.loads.append(LoadSpec(sched.req_id, list(tracked.block_ids), start, chunks))
         tracked.loaded_end = start + len(chunks) * c
         hole_tokens = len(chunks) * (c - self.kept)
+        logger.info(
+            "loaded %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
+            sched.req_id,
+            len(chunks) * c,
+            len(chunks) * self.kept,
+            " (compacted)" if hole_tokens else "",
+        )
         if hole_tokens:
             tracked.hole = Hole(
                 first_block=tracked.block_ids[0],
