@@ -76,6 +76,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        shim.share_engine_logging()  # our INFO lines in the engine's log, in every process
         self.config = ConnectorConfig.from_extra(shim.transfer_extra_config(vllm_config))
         self.facts = shim.engine_facts(vllm_config)
         if self.config.compacts and self.config.compact_on == "load" and not self.packs_in_place:

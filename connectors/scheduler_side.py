@@ -236,6 +236,13 @@ class SchedulerHalf:
         tracked.loaded_end = start + count * c
         tracked.load_start = start
         hole_tokens = count * (c - self.kept)
+        logger.info(
+            "loading %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
+            sched.req_id,
+            count * c,
+            count * self.kept,
+            " (compacted)" if hole_tokens else "",
+        )
         if hole_tokens:
             tracked.hole = Hole(
                 first_block=tracked.block_ids[0],

@@ -127,6 +127,31 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
     )
 
 
+PACKAGE_LOGGERS = ("connectors", "lmcompact")
+
+
+def share_engine_logging(names: tuple[str, ...] = PACKAGE_LOGGERS) -> None:
+    """Send this project's log records to vLLM's own handlers, at vLLM's level (idempotent).
+
+    vLLM configures only its ``vllm`` logger tree (``propagate`` off); records of other
+    packages reach no handler, and Python's last-resort handler drops INFO. Called when a
+    connector is constructed, in whichever process (engine core, worker) that happens.
+    A logger that has handlers, or an application that configured the root logger, is
+    left alone: logging is then the application's choice.
+    """
+    engine = logging.getLogger("vllm")
+    if not engine.handlers or logging.getLogger().handlers:
+        return
+    for name in names:
+        ours = logging.getLogger(name)
+        if ours.handlers:
+            continue
+        for handler in engine.handlers:
+            ours.addHandler(handler)
+        if ours.level == logging.NOTSET:
+            ours.setLevel(engine.getEffectiveLevel())
+
+
 def transfer_extra_config(vllm_config: Any) -> dict[str, Any]:
     transfer = vllm_config.kv_transfer_config
     return dict(getattr(transfer, "kv_connector_extra_config", None) or {})

@@ -387,8 +387,15 @@ class WorkerHalf:
                     if ok:
                         self.stats["bytes_stored"] += chunk.payload_nbytes
                         self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
-            logger.debug(
-                "stored %d/%d chunks of %s in %.3f s", sum(stored), len(items), job.req_id, elapsed
+            logger.info(
+                "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head) (%s), %.3f s",
+                job.req_id,
+                sum(stored),
+                len(items),
+                len(items) * self.kept,
+                len(items) * self.config.chunk_size,
+                self.config.policy,
+                elapsed,
             )
         except Exception:  # never take the engine down for a failed save
             with self._lock:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from connectors import vllm_shim as shim
+from connectors.config import BUDGET_TOLERANCE
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
 from connectors.memory.device_pack import DevicePacker
@@ -125,6 +126,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 "vLLM's prefix cache cannot represent: start vLLM with "
                 "enable_prefix_caching=False"
             )
+        self._check_pack_geometry(int(vllm_config.model_config.max_model_len))
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
         self.heavy: HeavyHitterScores | None = None  # worker side, with decode_policy h2o
         if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
@@ -163,6 +165,20 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.memory.decode_budget_tokens,
             self.memory.decode_policy,
             self.memory.sink_blocks,
+        )
+
+    def _check_pack_geometry(self, max_model_len: int) -> None:
+        if self.planner.prefill_mode is not PrefillMode.PACK:
+            return
+        honoured = pack_budget_honoured_from(self.planner, max_model_len)
+        logger.info(
+            "in-place packs keep whole blocks of %d tokens: budget %g is kept within %.0f%% "
+            "for prompts of >= %s tokens; other lengths keep the nearest block count "
+            "(each pack logs its kept / full tokens)",
+            self.planner.block_size,
+            self.planner.budget,
+            100 * BUDGET_TOLERANCE,
+            "no length up to max_model_len: only some" if honoured is None else honoured,
         )
 
     # --------------------------------------------------------------- scheduler side
@@ -392,3 +408,35 @@ class LMCompactMemoryConnector(LMCompactConnector):
             positions=torch.tensor(positions, dtype=torch.int64),
             scale=float(first.impl.scale),
         )
+
+
+def pack_budget_honoured_from(planner: HolePlanner, max_model_len: int) -> int | None:
+    """Prompt tokens from which every in-place pack keeps ``planner.budget`` within
+    :data:`connectors.config.BUDGET_TOLERANCE` (None: only some lengths do).
+
+    Packs keep whole blocks (``planner.kept_blocks``), so a prompt of ``F`` full blocks
+    keeps about ``round(budget * F)``; short prompts cannot honour small budgets.
+
+    Raises:
+        ValueError: no prompt length up to ``max_model_len`` honours the budget.
+    """
+    budget, bs = planner.budget, planner.block_size
+    lengths = range(planner.min_prompt_blocks, max_model_len // bs + 1)
+    fine = [
+        abs(planner.kept_blocks(nb) / nb - budget) <= BUDGET_TOLERANCE * budget for nb in lengths
+    ]
+    if not any(fine):
+        largest = max(lengths.stop - 1, 1)
+        raise ValueError(
+            f"budget {budget:g} cannot be honoured by in-place packs of prompts up to "
+            f"max_model_len {max_model_len} with block size {bs}: they keep whole blocks "
+            f"(at best {planner.kept_blocks(largest)} of {largest}, "
+            f"{planner.kept_blocks(largest) / largest:g}); raise the budget to at least "
+            f"{1 / largest:g} or use a smaller block size"
+        )
+    if not fine[-1]:
+        return None
+    first = len(fine) - 1
+    while first > 0 and fine[first - 1]:
+        first -= 1
+    return (lengths.start + first) * bs
