@@ -281,6 +281,8 @@ class MemoryScheduler:
         """A store load was refused by the worker: vLLM recomputes the request into the
         blocks it still holds, so its adopted hole is dropped, not released."""
         self.planner.forget(req_id)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
 
     def take_merges(self) -> list[MergeJob]:
         """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
