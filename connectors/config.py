@@ -282,7 +282,8 @@ def validate_against_engine(
         )
     if not config.compacts:
         return
-    if config.save or config.load:
+    if config.store_compacts and (config.save or config.load):
+        # chunks stored whole (compact_on "load") are packed per prompt, checked there
         check_budget_geometry(float(config.budget), config.chunk_size, block_size)
     if prefix_caching:
         raise ValueError(
