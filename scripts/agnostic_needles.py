@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--policies", default="kvzip,expected_attention,snapkv,knorm,streaming_llm")
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--chunk-size", type=int, default=256)
@@ -80,7 +81,10 @@ def main() -> None:
 
     model = args.model or str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    contexts = [build_shared_context(tokenizer, args.context, seed) for seed in range(args.samples)]
+    contexts = [
+        build_shared_context(tokenizer, args.context, seed)
+        for seed in range(args.first_seed, args.first_seed + args.samples)
+    ]
     rows: list[dict[str, Any]] = []
     cells: list[tuple[str, float, dict[str, Any] | None]] = [("full", 1.0, None)]
     for spec in args.policies.split(";" if ";" in args.policies else ","):

@@ -44,6 +44,7 @@ from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_a
 from connectors.memory.planner import HolePlanner
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
+from lmcompact.policies import Need
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
             "unscored": 0,
         }
         self._policy = self.config.make_policy()
+        agnostic = self._policy.needs & (Need.CONTEXT_SCORES | Need.WINDOW_QUERIES)
+        if agnostic and self.config.compacts and self.planner.prefill_mode.value == "pack":
+            raise ValueError(
+                f"policy {self.config.policy!r} reads {agnostic}, which the in-place pack does "
+                "not capture; in place the question is inside the observation window, so use a "
+                "query-aware policy there (snapkv, tova, knorm); kvzip and expected_attention "
+                "are for prefixes stored by LMCompactConnector"
+            )
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
                 self.planner,
