@@ -93,12 +93,16 @@ def main() -> None:
             k: json.loads(v) for k, v in (p.split("=") for p in params.split("/") if p)
         }
         for budget in (float(b) for b in args.budgets.split(",")):
-            extra = {"policy": policy, "budget": budget, "chunk_size": args.chunk_size}
+            params: dict[str, Any] = {
+                "policy": policy,
+                "budget": budget,
+                "chunk_size": args.chunk_size,
+            }
             if "window" in policy_params:  # the connector's option, not the policy's
-                extra["window"] = policy_params.pop("window")
+                params["window"] = policy_params.pop("window")
             if policy_params:
-                extra["policy_params"] = policy_params
-            cells.append((spec, budget, extra))
+                params["policy_params"] = policy_params
+            cells.append((spec, budget, params))
     for policy, budget, extra in cells:
         row = {"policy": policy, "budget": budget, "context": args.context}
         row.update(run_cell(model, tokenizer, contexts, extra))

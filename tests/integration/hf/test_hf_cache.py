@@ -171,7 +171,7 @@ def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.
     policy = policy_for("kvzip", 0.5, PROMPT_TOKENS)
     policy.max_queries = 200  # type: ignore[attr-defined]  # sample, not every query
     cache = CompactingCache(model, policy)
-    layer = cache.layers[5]
+    layer = cache._layers()[5]
     original = layer.attend
 
     def spy(module, query, key, value, scaling, **kwargs):  # type: ignore[no-untyped-def]
@@ -183,7 +183,9 @@ def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.
     original_compact = cache.compact
 
     def keep_observation() -> None:
-        captured["scores"] = cache.layers[5].observation.context_scores.clone()
+        observation = layer.observation
+        assert observation is not None and observation.context_scores is not None
+        captured["scores"] = observation.context_scores.clone()
         original_compact()
 
     cache.compact = keep_observation  # type: ignore[method-assign]
