@@ -92,17 +92,18 @@ def main() -> None:
         policy_params = {
             k: json.loads(v) for k, v in (p.split("=") for p in params.split("/") if p)
         }
+        window = policy_params.pop("window", None)  # the connector's option, not the policy's
         for budget in (float(b) for b in args.budgets.split(",")):
-            params: dict[str, Any] = {
+            cell: dict[str, Any] = {
                 "policy": policy,
                 "budget": budget,
                 "chunk_size": args.chunk_size,
             }
-            if "window" in policy_params:  # the connector's option, not the policy's
-                params["window"] = policy_params.pop("window")
+            if window is not None:
+                cell["window"] = window
             if policy_params:
-                params["policy_params"] = policy_params
-            cells.append((spec, budget, params))
+                cell["policy_params"] = dict(policy_params)
+            cells.append((spec, budget, cell))
     for policy, budget, extra in cells:
         row = {"policy": policy, "budget": budget, "context": args.context}
         row.update(run_cell(model, tokenizer, contexts, extra))
