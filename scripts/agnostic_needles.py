@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--policies", default="kvzip,expected_attention,snapkv,knorm,streaming_llm")
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--chunk-size", type=int, default=256)
@@ -80,7 +81,10 @@ def main() -> None:
 
     model = args.model or str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    contexts = [build_shared_context(tokenizer, args.context, seed) for seed in range(args.samples)]
+    contexts = [
+        build_shared_context(tokenizer, args.context, seed)
+        for seed in range(args.first_seed, args.first_seed + args.samples)
+    ]
     rows: list[dict[str, Any]] = []
     cells: list[tuple[str, float, dict[str, Any] | None]] = [("full", 1.0, None)]
     for spec in args.policies.split(";" if ";" in args.policies else ","):
@@ -88,13 +92,18 @@ def main() -> None:
         policy_params = {
             k: json.loads(v) for k, v in (p.split("=") for p in params.split("/") if p)
         }
+        window = policy_params.pop("window", None)  # the connector's option, not the policy's
         for budget in (float(b) for b in args.budgets.split(",")):
-            extra = {"policy": policy, "budget": budget, "chunk_size": args.chunk_size}
-            if "window" in policy_params:  # the connector's option, not the policy's
-                extra["window"] = policy_params.pop("window")
+            cell: dict[str, Any] = {
+                "policy": policy,
+                "budget": budget,
+                "chunk_size": args.chunk_size,
+            }
+            if window is not None:
+                cell["window"] = window
             if policy_params:
-                extra["policy_params"] = policy_params
-            cells.append((spec, budget, extra))
+                cell["policy_params"] = dict(policy_params)
+            cells.append((spec, budget, cell))
     for policy, budget, extra in cells:
         row = {"policy": policy, "budget": budget, "context": args.context}
         row.update(run_cell(model, tokenizer, contexts, extra))

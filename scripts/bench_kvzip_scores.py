@@ -50,6 +50,7 @@ def main() -> None:
             prefill = time.perf_counter() - began
         policy = make_policy("kvzip")
         positions = policy.context_queries(t)
+        assert positions is not None
         gen = torch.Generator().manual_seed(0)
         row = {"context": t, "queries": int(positions.numel()), "prefill_s": prefill}
         for mode, shift in (("repeat", t), ("causal", None)):

@@ -147,6 +147,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
         # per pack: host seconds of its launches, and CUDA events around its device work
         self._pack_times: list[tuple[float, Any, Any]] = []
         self._policy = self.config.make_policy()
+        agnostic = self._policy.needs & (Need.CONTEXT_SCORES | Need.WINDOW_QUERIES)
+        if agnostic and self.config.compacts and self.planner.prefill_mode.value == "pack":
+            raise ValueError(
+                f"policy {self.config.policy!r} reads {agnostic}, which the in-place pack does "
+                "not capture; in place the question is inside the observation window, so use a "
+                "query-aware policy there (snapkv, tova, knorm); kvzip and expected_attention "
+                "are for prefixes stored by LMCompactConnector"
+            )
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
                 self.planner,

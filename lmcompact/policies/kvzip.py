@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +14,8 @@ def sample_query_positions(length: int, max_queries: int, window: int) -> torch.
     """``(S,)`` sorted prompt positions whose queries score the keys.
 
     Every position when ``length <= max_queries``; otherwise the last ``window``
-    positions and every ``stride``-th one before them (the ones that end a stride, so
-    each sees the ``stride`` keys before it), ``S <= max_queries``.
+    positions and ``max_queries - window`` evenly spaced ones before them (each ends
+    its stretch of the prompt), so ``S = max_queries``.
     """
     if length <= 0:
         raise ValueError(f"length must be > 0, got {length}")
@@ -25,10 +24,7 @@ def sample_query_positions(length: int, max_queries: int, window: int) -> torch.
     tail = min(window, max_queries)
     head_len = length - tail
     room = max_queries - tail
-    if room <= 0:
-        return torch.arange(head_len, length)
-    stride = math.ceil(head_len / room)
-    head = torch.arange(stride - 1, head_len, stride)
+    head = (torch.arange(1, room + 1) * head_len) // room - 1
     return torch.cat([head, torch.arange(head_len, length)])
 
 
@@ -45,8 +41,9 @@ class KVzip(ScorePolicy):
 
     Here no second pass runs (a vLLM connector cannot run one inside the engine's
     step). The queries are the prompt's own prefill queries, sampled across the whole
-    prompt (:meth:`context_queries`: all of them up to ``max_queries``, else every
-    ``stride``-th plus the last ``window``), captured where the engine computes them.
+    prompt (:meth:`context_queries`: all of them up to ``max_queries``, else the last
+    ``window`` and evenly spaced ones before them), captured where the engine computes
+    them.
     With ``repeat`` (default) each sampled query is moved by RoPE to position
     ``T + p`` (:meth:`context_shift`), where its token would sit in a repeat of the
     context, and sees every key, softmax-normalized over all of them: an induction head

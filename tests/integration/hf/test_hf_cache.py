@@ -157,3 +157,50 @@ def test_window_scores_match_eager_attention(loaded: tuple[Any, Any], prompt: to
         model(prompt, past_key_values=cache)
     naive = window_scores_naive(captured["q"][:, :, -32:], captured["k"])
     torch.testing.assert_close(captured["mass"], naive, rtol=1e-4, atol=1e-5)
+
+
+def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.Tensor) -> None:
+    """The transformers path and the vLLM save path score kvzip alike: the context scores
+    captured inside the forward equal the connector's on the same queries and keys."""
+    from connectors.compaction import SaveJob, observe_context
+    from lmcompact.hf.cache import CompactingCache
+    from lmcompact.hf.observe import rope_from_model
+
+    model, _ = loaded
+    captured: dict[str, torch.Tensor] = {}
+    policy = policy_for("kvzip", 0.5, PROMPT_TOKENS)
+    policy.max_queries = 200  # type: ignore[attr-defined]  # sample, not every query
+    cache = CompactingCache(model, policy)
+    layer = cache._layers()[5]
+    original = layer.attend
+
+    def spy(module, query, key, value, scaling, **kwargs):  # type: ignore[no-untyped-def]
+        captured["q"], captured["k"] = query.detach().clone(), key.detach().clone()
+        captured["scale"] = torch.tensor(scaling)
+        return original(module, query, key, value, scaling, **kwargs)
+
+    layer.attend = spy  # type: ignore[method-assign]
+    original_compact = cache.compact
+
+    def keep_observation() -> None:
+        observation = layer.observation
+        assert observation is not None and observation.context_scores is not None
+        captured["scores"] = observation.context_scores.clone()
+        original_compact()
+
+    cache.compact = keep_observation  # type: ignore[method-assign]
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+    positions = policy.context_queries(PROMPT_TOKENS)
+    assert positions is not None and positions.numel() == 200
+    rope = rope_from_model(model)
+    assert rope is not None
+    job = SaveJob(
+        "r", [], 0, PROMPT_TOKENS, [], None, positions, float(captured["scale"]), rope=rope
+    )
+    queries = captured["q"][0].permute(1, 0, 2)[positions]  # (S, Hq, D) as the worker copies
+    theirs = observe_context(job, policy, captured["k"][0], queries, torch.arange(200))
+    assert theirs is not None
+    torch.testing.assert_close(captured["scores"][0], theirs, rtol=1e-4, atol=1e-6)
+    assert cache.plans is not None
+    assert bool((cache.plans[0].kept_counts() == PROMPT_TOKENS // 2).all())

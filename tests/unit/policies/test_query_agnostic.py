@@ -23,8 +23,10 @@ def test_sampled_positions_cover_the_prompt_and_keep_the_window() -> None:
     positions = sample_query_positions(100, 20, 4)
     assert positions.numel() == 20
     assert positions[-4:].tolist() == [96, 97, 98, 99]
-    assert positions[:-4].tolist() == list(range(5, 96, 6))  # stride ceil(96 / 16) = 6
+    assert positions[:-4].tolist() == list(range(5, 96, 6))  # 16 stretches of 6 tokens
     assert sample_query_positions(100, 4, 4).tolist() == [96, 97, 98, 99]
+    uneven = sample_query_positions(2048, 1024, 32)
+    assert uneven.numel() == 1024 and bool((uneven[1:] > uneven[:-1]).all())
 
 
 def test_kvzip_keeps_a_key_one_query_reads_sharply() -> None:
