@@ -35,6 +35,46 @@ from lmcompact.store import StoreConfig
 TIERS = ("cpu", "redis")
 COMPACT_ON = ("save", "load")
 UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
+BUDGET_TOLERANCE = 0.1
+"""A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
+
+
+def kept_blocks(budget: float, blocks: int) -> int:
+    """Whole blocks kept of ``blocks`` at kept fraction ``budget``: the nearest, >= 1."""
+    return min(blocks, max(1, round(budget * blocks)))
+
+
+def honours(budget: float, blocks: int) -> bool:
+    """Whether keeping whole blocks of ``blocks`` can honour ``budget`` (within tolerance)."""
+    return abs(kept_blocks(budget, blocks) / blocks - budget) <= BUDGET_TOLERANCE * budget
+
+
+def check_budget_geometry(budget: float, chunk_size: int, block_size: int) -> None:
+    """ValueError naming the possible budgets when whole blocks cannot honour ``budget``.
+
+    A chunk of ``chunk_size / block_size`` blocks keeps a whole number of them, so the
+    kept fraction moves in steps of one block: with block 128 and chunk 256 only 0.5 and 1
+    exist, and 0.25 or 0.1 would silently keep half.
+    """
+    blocks = chunk_size // block_size
+    if honours(budget, blocks):
+        return
+    possible = [k / blocks for k in range(1, blocks + 1)]
+    nearest = min(possible, key=lambda f: abs(f - budget))
+    shown = ", ".join(f"{f:g}" for f in possible[:8]) + (", ..." if blocks > 8 else "")
+    larger = next((m for m in range(blocks + 1, 64 * blocks + 1) if honours(budget, m)), None)
+    hint = (
+        f"; or chunk_size {larger * block_size} ({larger} blocks) keeps "
+        f"{kept_blocks(budget, larger) / larger:g}"
+        if larger is not None
+        else ""
+    )
+    raise ValueError(
+        f"budget {budget:g} cannot be honoured with chunk_size {chunk_size} and block size "
+        f"{block_size}: a chunk of {blocks} block(s) keeps whole blocks, so the possible "
+        f"budgets are {shown} (the nearest, {nearest:g}, is more than "
+        f"{BUDGET_TOLERANCE:.0%} away); set budget to one of them{hint}"
+    )
 
 
 @dataclass(frozen=True)
@@ -45,7 +85,9 @@ class ConnectorConfig:
         policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
             the full KV and is exact.
         policy_params: the policy's hyper-parameters besides the budget.
-        budget: kept fraction per chunk, in (0, 1]; rounded to whole KV blocks.
+        budget: kept fraction per chunk, in (0, 1]; kept as whole KV blocks, so the engine
+            refuses a budget the chunk's block count cannot honour within 10% (the error
+            names the possible values).
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
         window: observation-window queries (the prompt's last ``window`` tokens) captured for
             score-based policies (and Expected Attention's query statistics); ``kvzip``
@@ -204,12 +246,14 @@ class ConnectorConfig:
 
     def kept_per_chunk(self, block_size: int) -> int:
         """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
-        (>= 1); the whole chunk when chunks are stored uncompacted."""
+        (>= 1); the whole chunk when chunks are stored uncompacted.
+
+        :func:`validate_against_engine` refuses a budget this rounding would change by more
+        than :data:`BUDGET_TOLERANCE` (when the store path is on).
+        """
         if not self.store_compacts:
             return self.chunk_size
-        blocks = self.chunk_size // block_size
-        kept_blocks = min(blocks, max(1, round(float(self.budget) * blocks)))
-        return kept_blocks * block_size
+        return kept_blocks(float(self.budget), self.chunk_size // block_size) * block_size
 
 
 def validate_against_engine(
@@ -238,6 +282,9 @@ def validate_against_engine(
         )
     if not config.compacts:
         return
+    if config.store_compacts and (config.save or config.load):
+        # chunks stored whole (compact_on "load") are packed per prompt, checked there
+        check_budget_geometry(float(config.budget), config.chunk_size, block_size)
     if prefix_caching:
         raise ValueError(
             f"policy {config.policy!r} compacts the KV, which vLLM's prefix cache cannot "

@@ -31,18 +31,33 @@ CONNECTORS = {
 """Connector class name -> module path."""
 
 
-def transfer_config(extra: Mapping[str, Any], connector: str = "LMCompactConnector") -> Any:
-    """A ``KVTransferConfig`` that loads ``connector`` (a :data:`CONNECTORS` name) with
-    ``extra`` options."""
+def transfer_config(
+    extra: Mapping[str, Any],
+    connector: str = "LMCompactConnector",
+    module_path: str | None = None,
+) -> Any:
+    """A ``KVTransferConfig`` that loads ``connector`` with ``extra`` options.
+
+    ``connector`` is a :data:`CONNECTORS` name, or a subclass elsewhere whose
+    ``module_path`` is given (tests). Options of our two connectors are checked first, so a
+    bad one fails before vLLM loads the model. A stored chunk that turns out missing or
+    damaged when the worker loads it is recomputed (``kv_load_failure_policy="recompute"``;
+    vLLM's default "fail" would fail the request).
+    """
+    from connectors.preflight import check_extra_config
+
+    if connector in CONNECTORS:
+        check_extra_config(connector, extra)
+    elif module_path is None:
+        raise ValueError(f"unknown connector {connector!r}; allowed: {sorted(CONNECTORS)}")
     from vllm.config import KVTransferConfig
 
-    if connector not in CONNECTORS:
-        raise ValueError(f"unknown connector {connector!r}; allowed: {sorted(CONNECTORS)}")
     return KVTransferConfig(
         kv_connector=connector,
-        kv_connector_module_path=CONNECTORS[connector],
+        kv_connector_module_path=module_path or CONNECTORS[connector],
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy="recompute",
     )
 
 

@@ -26,13 +26,14 @@ from types import FrameType
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _connector_base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
-from connectors.holes import Hole, skip_holes
+from connectors.holes import Hole, skip_holes, skip_holes_on_device
 from lmcompact.attention.rope import Rope
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,35 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
     "ScheduledRequest",
 ]
+
+
+class _NoWorkerMetadata:
+    """Stand-in base where vLLM has no worker -> scheduler metadata (never sent there)."""
+
+    def aggregate(self, other: Any) -> Any:
+        return self
+
+
+KVConnectorWorkerMetadata: type = getattr(
+    _connector_base, "KVConnectorWorkerMetadata", _NoWorkerMetadata
+)
+"""Base of worker -> scheduler metadata (vLLM 0.26 and 0.32 have it)."""
+
+
+def worker_metadata(connector_output: Any) -> Any:
+    """The aggregated worker metadata of one step's ``KVConnectorOutput``, or None."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
+def recomputes_failed_loads(vllm_config: Any) -> bool:
+    """Whether vLLM recomputes blocks a connector reports as failed (instead of failing the
+    request): ``kv_load_failure_policy`` "recompute"; engines without the option recompute."""
+    transfer = vllm_config.kv_transfer_config
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    return policy is None or policy == "recompute"
 
 
 def vllm_version() -> str:
@@ -97,6 +125,31 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         prefix_caching=bool(cache.enable_prefix_caching),
         device_type=device_type,
     )
+
+
+PACKAGE_LOGGERS = ("connectors", "lmcompact")
+
+
+def share_engine_logging(names: tuple[str, ...] = PACKAGE_LOGGERS) -> None:
+    """Send this project's log records to vLLM's own handlers, at vLLM's level (idempotent).
+
+    vLLM configures only its ``vllm`` logger tree (``propagate`` off); records of other
+    packages reach no handler, and Python's last-resort handler drops INFO. Called when a
+    connector is constructed, in whichever process (engine core, worker) that happens.
+    A logger that has handlers, or an application that configured the root logger, is
+    left alone: logging is then the application's choice.
+    """
+    engine = logging.getLogger("vllm")
+    if not engine.handlers or logging.getLogger().handlers:
+        return
+    for name in names:
+        ours = logging.getLogger(name)
+        if ours.handlers:
+            continue
+        for handler in engine.handlers:
+            ours.addHandler(handler)
+        if ours.level == logging.NOTSET:
+            ours.setLevel(engine.getEffectiveLevel())
 
 
 def transfer_extra_config(vllm_config: Any) -> dict[str, Any]:
@@ -331,6 +384,17 @@ def apply_holes(
             and so does the copy.
     """
     num_reqs = int(metadata.query_start_loc.numel()) - 1
+    name = type(metadata).__name__
+    plain = not sliding and not any(hole.window_lead for hole in holes.values())
+    if plain and name == "FlashAttentionMetadata" and metadata.block_table.is_cuda:
+        # every step of a served batch: no host round trip; the old maximum key length
+        # stays a valid bound for the kernel (sliding-window cuts take the host path)
+        on_device = skip_holes_on_device(
+            metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size
+        )
+        if on_device is None:
+            return metadata
+        return _flash_metadata(metadata, *on_device, int(metadata.max_seq_len))
     edited = skip_holes(
         metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size, sliding
     )
@@ -338,7 +402,6 @@ def apply_holes(
         return metadata
     table, lens, _ = edited
     max_len = int(lens[:num_reqs].max())
-    name = type(metadata).__name__
     if name == "CPUAttentionMetadata":
         return _cpu_metadata(metadata, table, lens, max_len, layer, dtype, group_window)
     if name == "FlashAttentionMetadata":

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from connectors import vllm_shim as shim
+from connectors.config import BUDGET_TOLERANCE
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
+from connectors.memory.device_pack import DevicePacker
 from connectors.memory.heavy_hitters import (
     HeavyHitterScores,
     MergeJob,
@@ -44,6 +46,7 @@ from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_a
 from connectors.memory.planner import HolePlanner, PrefillMode
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
+from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 
 logger = logging.getLogger(__name__)
@@ -123,6 +126,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 "vLLM's prefix cache cannot represent: start vLLM with "
                 "enable_prefix_caching=False"
             )
+        self._check_pack_geometry(int(vllm_config.model_config.max_model_len))
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
         self.heavy: HeavyHitterScores | None = None  # worker side, with decode_policy h2o
         if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
@@ -136,7 +140,12 @@ class LMCompactMemoryConnector(LMCompactConnector):
             "tokens": 0,
             "seconds": 0.0,
             "unscored": 0,
+            "device_packs": 0,
         }
+        self.device_packer: DevicePacker | None = None  # worker side, CUDA
+        self.warm_up_s: list[tuple[int, float]] = []
+        # per pack: host seconds of its launches, and CUDA events around its device work
+        self._pack_times: list[tuple[float, Any, Any]] = []
         self._policy = self.config.make_policy()
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
@@ -145,7 +154,10 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 self.config.window,
                 capture=not self.config.save,
                 needs_scores=needs_scores(self._policy),
+                reserve_growth=self.memory.reserve_growth,
             )
+            # an adopted store-load hole goes back only once the worker wrote the load
+            self.memory_scheduler.held_back = self._scheduler().load_unconfirmed
         logger.info(
             "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s decode_policy=%s sinks=%d",
             role,
@@ -155,11 +167,29 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.memory.sink_blocks,
         )
 
+    def _check_pack_geometry(self, max_model_len: int) -> None:
+        if self.planner.prefill_mode is not PrefillMode.PACK:
+            return
+        honoured = pack_budget_honoured_from(self.planner, max_model_len)
+        logger.info(
+            "in-place packs keep whole blocks of %d tokens: budget %g is kept within %.0f%% "
+            "for prompts of >= %s tokens; other lengths keep the nearest block count "
+            "(each pack logs its kept / full tokens)",
+            self.planner.block_size,
+            self.planner.budget,
+            100 * BUDGET_TOLERANCE,
+            "no length up to max_model_len: only some" if honoured is None else honoured,
+        )
+
     # --------------------------------------------------------------- scheduler side
     def _memory(self) -> MemoryScheduler:
         if self.memory_scheduler is None:
             raise RuntimeError("scheduler-side call on the worker connector")
         return self.memory_scheduler
+
+    def on_load_failures(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._memory().cancel_hole(req_id)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # vLLM >= 0.32: the manager itself (its base implementation then calls
@@ -200,6 +230,39 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.perhead = make_perhead_attention(self._worker())
         if self.planner.decode_recent_blocks is not None:
             self.heavy = make_heavy_hitter_scores(self._worker())
+        self._make_device_packer()
+
+    def _make_device_packer(self) -> None:
+        """Pack on the GPU when the caches are there and the policy has a device scorer;
+        compile and autotune its kernels now (``memory.warm_up``), not at the first request."""
+        worker = self._worker()
+        layers = list(worker.kv_caches.values())
+        if (
+            not layers
+            or self.planner.prefill_mode is not PrefillMode.PACK
+            or self.perhead is not None
+            or worker.layout.name != "token_major"
+            or not kernels.use_kernels(layers[0].device)
+            or not DevicePacker.supports(self._policy)
+        ):
+            return
+        first = next(iter(worker.layers.values()))
+        self.device_packer = DevicePacker(layers, self.facts.block_size, float(first.impl.scale))
+        if self.memory.warm_up:
+            began = time.perf_counter()
+            max_len = int(worker.vllm_config.model_config.max_model_len)
+            self.warm_up_s = self.device_packer.warm_up(
+                self._policy,
+                int(first.impl.num_heads),
+                max(1, self.config.window),
+                max_len,
+                float(self.config.budget),
+            )
+            logger.info(
+                "device pack ready: warm-up of %d lengths took %.1f s",
+                len(self.warm_up_s),
+                time.perf_counter() - began,
+            )
 
     def _refuse_with_sliding_layers(self) -> None:
         """Start-up refusal of what cannot be exact with sliding-window layers.
@@ -249,6 +312,11 @@ class LMCompactMemoryConnector(LMCompactConnector):
         layers = list(worker.kv_caches.values())
         for job in packs:
             began = time.perf_counter()
+            if self.device_packer is not None and (
+                windows[job.req_id] is not None or not needs_scores(self._policy)
+            ):
+                self._device_pack(job, windows[job.req_id], began)
+                continue
             if windows[job.req_id] is None and needs_scores(self._policy):
                 # the policy then falls back to its score-free choice: count it, never hide it
                 self.pack_stats["unscored"] += 1
@@ -283,6 +351,50 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 job.num_tokens,
                 self.config.policy,
             )
+            self._pack_times.append((time.perf_counter() - began, None, None))
+            logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
+
+    def _device_pack(self, job: PackJob, window: WindowQueries | None, began: float) -> None:
+        """One pack on the GPU, timed by CUDA events (read later, no sync here)."""
+        assert self.device_packer is not None
+        worker = self._worker()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        queries = None
+        if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
+            queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
+        self.device_packer.pack(
+            job.block_ids,
+            job.num_tokens,
+            job.kept,
+            self._policy,
+            queries,
+            None if window is None else window.positions,
+        )
+        end.record()
+        worker._captured.pop(job.req_id, None)
+        worker._captured_pos.pop(job.req_id, None)
+        host = time.perf_counter() - began
+        self.pack_stats["packs"] += 1
+        self.pack_stats["device_packs"] += 1
+        self.pack_stats["tokens"] += job.num_tokens
+        self.pack_stats["seconds"] += host
+        self._pack_times.append((host, start, end))
+
+    def pack_timings(self) -> dict[str, list[float]]:
+        """Milliseconds per pack so far, in order: ``host`` (launching, or the whole
+        reference pack on the CPU) and ``device`` (GPU time between the pack's CUDA events;
+        waits for them). A benchmark reads this once its requests are done."""
+        host = [1e3 * h for h, _, _ in self._pack_times]
+        device = []
+        for h, start, end in self._pack_times:
+            if start is None:
+                device.append(1e3 * h)
+            else:
+                end.synchronize()
+                device.append(float(start.elapsed_time(end)))
+        return {"host": host, "device": device}
 
     def _window(self, req_id: str) -> WindowQueries | None:
         worker = self._worker()
@@ -292,7 +404,39 @@ class LMCompactMemoryConnector(LMCompactConnector):
             return None
         first = next(iter(worker.layers.values()))
         return WindowQueries(
-            per_layer=[torch.cat(parts).float() for parts in captured],
+            per_layer=[parts[0] if len(parts) == 1 else torch.cat(parts) for parts in captured],
             positions=torch.tensor(positions, dtype=torch.int64),
             scale=float(first.impl.scale),
         )
+
+
+def pack_budget_honoured_from(planner: HolePlanner, max_model_len: int) -> int | None:
+    """Prompt tokens from which every in-place pack keeps ``planner.budget`` within
+    :data:`connectors.config.BUDGET_TOLERANCE` (None: only some lengths do).
+
+    Packs keep whole blocks (``planner.kept_blocks``), so a prompt of ``F`` full blocks
+    keeps about ``round(budget * F)``; short prompts cannot honour small budgets.
+
+    Raises:
+        ValueError: no prompt length up to ``max_model_len`` honours the budget.
+    """
+    budget, bs = planner.budget, planner.block_size
+    lengths = range(planner.min_prompt_blocks, max_model_len // bs + 1)
+    fine = [
+        abs(planner.kept_blocks(nb) / nb - budget) <= BUDGET_TOLERANCE * budget for nb in lengths
+    ]
+    if not any(fine):
+        largest = max(lengths.stop - 1, 1)
+        raise ValueError(
+            f"budget {budget:g} cannot be honoured by in-place packs of prompts up to "
+            f"max_model_len {max_model_len} with block size {bs}: they keep whole blocks "
+            f"(at best {planner.kept_blocks(largest)} of {largest}, "
+            f"{planner.kept_blocks(largest) / largest:g}); raise the budget to at least "
+            f"{1 / largest:g} or use a smaller block size"
+        )
+    if not fine[-1]:
+        return None
+    first = len(fine) - 1
+    while first > 0 and fine[first - 1]:
+        first -= 1
+    return (lengths.start + first) * bs

@@ -155,6 +155,8 @@ class CompactingLayer(CacheLayerMixin):
                 scaling,
                 timings=owner.stats,
                 context_positions=owner.context_positions(key.shape[2]),
+                context_shift=owner.context_sampler.context_shift(key.shape[2]),
+                rope=owner.rope,
             )
             owner.attention_scale = scaling
             if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
@@ -251,7 +253,8 @@ class CompactingCache(Cache):
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
         )
         self.context_sampler: CompactionPolicy = policy
-        self.rope = rope_from_model(model) if Need.WINDOW_QUERIES in self.needs else None
+        rotates = self.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
+        self.rope = rope_from_model(model) if rotates else None
         self.attention_scale: float | None = None
         self.classifier: TokenClassifier | None = None
         self._hook: Any = None
@@ -331,7 +334,15 @@ class CompactingCache(Cache):
             length = self._layers()[0].seen
             recorded = self.context_positions(length)
             asked = new.context_positions(length)
-            if recorded is None or asked is None or not torch.equal(recorded, asked):
+            same_shift = self.context_sampler.context_shift(length) == new.policy.context_shift(
+                length
+            )
+            if (
+                recorded is None
+                or asked is None
+                or not torch.equal(recorded, asked)
+                or not same_shift
+            ):
                 raise ValueError(
                     f"policy {new.policy.name!r} samples other prompt queries than the "
                     "recorder's context scores (the recorder uses kvzip's defaults)"

@@ -55,6 +55,8 @@ def observe_prefill(
     scale: float,
     timings: dict[str, float] | None = None,
     context_positions: torch.Tensor | None = None,
+    context_shift: int | None = None,
+    rope: Rope | None = None,
 ) -> PrefillObservation:
     """Scores a policy asked for, from one layer's prefill queries and keys.
 
@@ -69,6 +71,9 @@ def observe_prefill(
         context_positions: ``(S,)`` positions of the prompt queries that make the
             context scores (the policy's ``context_queries``), when ``needs`` has
             ``CONTEXT_SCORES``: the same sample the vLLM connector captures.
+        context_shift: The policy's ``context_shift`` (used when ``rope`` is known,
+            else the context scores are causal, as in the connector).
+        rope: The model's RoPE, or None.
     """
     timings = timings if timings is not None else {}
     obs = PrefillObservation()
@@ -92,7 +97,14 @@ def observe_prefill(
         if context_positions is None:
             raise ValueError("CONTEXT_SCORES needs context_positions (the policy's sample)")
         positions = context_positions.to(queries.device)
-        obs.context_scores = context_scores(queries[:, :, positions], keys, positions, scale=scale)
+        obs.context_scores = context_scores(
+            queries[:, :, positions],
+            keys,
+            positions,
+            scale=scale,
+            shift=context_shift if rope is not None else None,
+            rope=rope,
+        )
     end = time.perf_counter()
     for name, seconds in (
         ("observe_window_s", middle - start),

