@@ -134,7 +134,7 @@ class WorkerHalf:
             len(self.layers),
             "/".join(str(w) for w in sorted(windows)),
         )
-        if self.config.compacts and self.kept < smallest:
+        if self.config.store_compacts and self.kept < smallest:  # whole chunks lose nothing
             logger.warning(
                 "kept %d tokens per chunk < sliding window %d: after a store load, sliding "
                 "layers see only the last %d tokens of the loaded prefix (exact masking, "

@@ -151,6 +151,9 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
         )
         if not panels or not modes:
             continue
+        names = sorted({r["policy"] for r in rows if r["compact_on"] != "none"})
+        cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        color = {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
         fig, axes = plt.subplots(
             len(panels),
             len(modes),
@@ -174,6 +177,7 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
                         [r["budget"] for r in line],
                         [r["accuracy"] for r in line],
                         marker="o",
+                        color=color[policy],
                         label=policy,
                     )
                 ax.set_xscale("log")
