@@ -42,12 +42,17 @@ class LMCompactMetadata(shim.KVConnectorMetadata):  # type: ignore[misc]
 
 
 def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
+    params = config.namespace_params()
+    if config.compacts and facts.sliding_window is not None:
+        # sliding-window layers store each chunk's most recent rows (connectors/holes.py);
+        # chunks stored before that must not load as if they did
+        params["sliding_rows"] = "recent"
     return StoreNamespace(
         model_id=config.model_id or facts.model_id,
         kv_dtype=str(facts.dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
         policy_name=config.policy if config.compacts else "none",
-        policy_params=config.namespace_params(),
+        policy_params=params,
     )
 
 
