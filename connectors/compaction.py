@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,20 @@ from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservat
 from lmcompact.store import ChunkKey, CompactedChunk
 
 logger = logging.getLogger(__name__)
+
+
+class EngineShape(Protocol):
+    """The engine facts a stored chunk must match (``vllm_shim.EngineFacts`` has them)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+
 
 SCORE_NEEDS = Need.WINDOW_SCORES | Need.WINDOW_ATTENTION
 
@@ -215,6 +230,40 @@ def build_chunk(
         positions=torch.cat(positions_out),
         num_tokens=chunk_size,
     )
+
+
+def chunk_problem(
+    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int
+) -> str | None:
+    """Why a stored ``chunk`` cannot be loaded into this engine, or None.
+
+    The codec already refused damaged bytes and foreign formats; this checks that a valid
+    chunk fits: layers, heads, head size, dtype, chunk length and kept count.
+    """
+    expected = (
+        facts.num_layers,
+        facts.num_kv_heads,
+        facts.head_dim,
+        facts.head_dim,
+        facts.dtype,
+        chunk_size,
+        kept,
+    )
+    got = (
+        chunk.num_layers,
+        chunk.num_kv_heads,
+        chunk.keys.shape[1],
+        chunk.values.shape[1],
+        chunk.dtype,
+        chunk.num_tokens,
+        chunk.uniform_count(),
+    )
+    if got != expected:
+        return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"
+    pos = chunk.positions
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= chunk.num_tokens):
+        return "holding positions outside the chunk"
+    return None
 
 
 def full_nbytes(chunk: CompactedChunk, head_dim: int) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig, validate_against_engine
-from connectors.metadata import StepMetadata
+from connectors.metadata import StepMetadata, WorkerReport
 from connectors.scheduler_side import SchedulerHalf
 from connectors.store_registry import STORES
 from connectors.worker_side import WorkerHalf
@@ -39,6 +39,20 @@ class LMCompactMetadata(shim.KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, step: StepMetadata) -> None:
         self.step = step
+
+
+class LMCompactWorkerMetadata(shim.KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """vLLM-typed envelope of one :class:`WorkerReport` (worker -> scheduler)."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: Any) -> LMCompactWorkerMetadata:
+        # several workers (tensor parallel) report one step; the connector refuses TP > 1
+        # today, so a union is exact
+        if isinstance(other, LMCompactWorkerMetadata):
+            self.report.merge(other.report)
+        return self
 
 
 def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
@@ -80,6 +94,12 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         self.store: TieredStore = STORES.acquire(self.namespace, self.config.store_config())
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
+        if self.config.load and not shim.recomputes_failed_loads(vllm_config):
+            logger.warning(
+                "kv_load_failure_policy is 'fail': a stored chunk that is missing or damaged "
+                "when the worker loads it fails its request; set kv_load_failure_policy to "
+                "'recompute' in --kv-transfer-config to recompute such requests instead"
+            )
         if role == shim.KVConnectorRole.SCHEDULER:
             keyer = ChunkKeyer(self.namespace, self.config.chunk_size)
             self.scheduler_half = SchedulerHalf(self.config, self.facts, self.store, keyer)
@@ -118,6 +138,13 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().prepare(forward_context)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> LMCompactWorkerMetadata | None:
+        report = self._worker().take_report()
+        return None if report is None else LMCompactWorkerMetadata(report)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete inside start_load_kv
 
@@ -139,6 +166,16 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        meta = shim.worker_metadata(connector_output)
+        if isinstance(meta, LMCompactWorkerMetadata):
+            self.on_load_failures(self._scheduler().take_report(meta.report))
+
+    def on_load_failures(self, req_ids: set[str]) -> None:
+        """Requests whose loads the worker refused (vLLM recomputes them); a hook for
+        subclasses that track holes of their own."""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request, num_external_tokens)

@@ -1,8 +1,15 @@
-"""The only channel from the scheduler half to the worker half: one dataclass per step.
+"""The channels between the connector's halves: one dataclass each way per step.
 
-The scheduler half decides everything (what to load where, which queries to capture, what
-to save, which rows have holes); the worker half executes it and keeps no request state of
+Scheduler -> worker (:class:`StepMetadata`): the scheduler half decides everything (what to
+load where, which queries to capture, what to save, which rows have holes) and names stored
+chunks by key only: it never fetches KV, so the metadata carries ids, never tensors. The
+worker half executes it, fetching and verifying chunks itself, and keeps no request state of
 its own beyond the queries it is collecting for a pending save.
+
+Worker -> scheduler (:class:`WorkerReport`): which chunks the worker stored or failed to
+store, and which loads it completed or could not complete. With vLLM's multiprocess engine
+the halves live in two processes, so this is how the scheduler learns what the worker's
+private tiers hold.
 """
 
 from __future__ import annotations
@@ -10,26 +17,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connectors.holes import Hole
-from lmcompact.store import ChunkKey, CompactedChunk
+from lmcompact.store import ChunkKey
 
 
 @dataclass
 class LoadSpec:
-    """Write stored chunks into a request's blocks (packed: kept tokens first).
+    """Fetch stored chunks and write them into a request's blocks (packed: kept first).
 
     Attributes:
         req_id: request id.
         block_ids: the request's block table row (logical block -> physical block).
         start: first logical token the chunks cover (a chunk boundary).
-        chunks: validated chunks, in order; chunk ``i`` covers tokens
+        keys: store keys of the chunks, in order; chunk ``i`` covers tokens
             ``start + i * chunk_size ..``; its kept rows go to slots
-            ``start + i * kept .. start + (i + 1) * kept``.
+            ``start + i * kept .. start + (i + 1) * kept``. The worker fetches and verifies
+            them; if any is missing or bad, none is written and the request's blocks from
+            ``start`` are reported to vLLM for recomputation.
     """
 
     req_id: str
     block_ids: list[int]
     start: int
-    chunks: list[CompactedChunk]
+    keys: list[ChunkKey]
 
 
 @dataclass
@@ -86,3 +95,36 @@ class StepMetadata:
 
     def is_idle(self) -> bool:
         return not (self.loads or self.captures or self.saves or self.holes or self.finished)
+
+
+@dataclass
+class WorkerReport:
+    """What the worker half did since its last report (sent after every engine step).
+
+    Attributes:
+        saved: keys of chunks now in the worker's store.
+        save_failed: keys of chunks whose save failed or was dropped (not stored).
+        loaded: requests whose loads were written.
+        load_failed: requests whose loads were refused (missing or bad chunk); vLLM
+            recomputes them from the load's start.
+        missing: keys the worker found missing or bad when loading (stale index entries).
+    """
+
+    saved: set[ChunkKey] = field(default_factory=set)
+    save_failed: set[ChunkKey] = field(default_factory=set)
+    loaded: set[str] = field(default_factory=set)
+    load_failed: set[str] = field(default_factory=set)
+    missing: set[ChunkKey] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.saved or self.save_failed or self.loaded or self.load_failed or self.missing
+        )
+
+    def merge(self, other: WorkerReport) -> None:
+        """Add ``other`` (another step, or another worker of the same step) to this one."""
+        self.saved |= other.saved
+        self.save_failed |= other.save_failed
+        self.loaded |= other.loaded
+        self.load_failed |= other.load_failed
+        self.missing |= other.missing

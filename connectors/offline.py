@@ -24,15 +24,37 @@ def in_process_env(kv_cache_gib: int = 2) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def transfer_config(extra: Mapping[str, Any]) -> Any:
-    """A ``KVTransferConfig`` that loads :class:`LMCompactConnector` with ``extra`` options."""
+CONNECTOR_MODULES = {
+    "LMCompactConnector": "connectors.lmcompact_connector",
+    "LMCompactMemoryConnector": "connectors.memory.connector",
+}
+
+
+def transfer_config(
+    extra: Mapping[str, Any],
+    connector: str = "LMCompactConnector",
+    module_path: str | None = None,
+) -> Any:
+    """A ``KVTransferConfig`` that loads one of our connectors with ``extra`` options.
+
+    ``module_path`` None takes the connector's own module; a subclass elsewhere (tests) names
+    its module. Options of our two connectors are checked first, so a bad one fails before
+    vLLM loads the model. A stored
+    chunk that turns out missing or damaged when the worker loads it is recomputed
+    (``kv_load_failure_policy="recompute"``; vLLM's default "fail" would fail the request).
+    """
+    from connectors.preflight import check_extra_config
+
+    if connector in CONNECTOR_MODULES:
+        check_extra_config(connector, extra)
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
-        kv_connector="LMCompactConnector",
-        kv_connector_module_path="connectors.lmcompact_connector",
+        kv_connector=connector,
+        kv_connector_module_path=module_path or CONNECTOR_MODULES[connector],
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy="recompute",
     )
 
 

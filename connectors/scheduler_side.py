@@ -1,9 +1,18 @@
 """Scheduler half of the connector: finds stored prefixes and plans loads, captures, saves.
 
-Cheap and side-effect free towards the engine: it reads the store's index (and fetches the
-chunks of a hit, validating them, so a damaged or foreign entry becomes a shorter match and
-the tokens are recomputed; the worker never meets a bad chunk), and describes each step's
-work in one :class:`~connectors.metadata.StepMetadata`.
+Cheap and free of store I/O on the engine's scheduling loop: it asks which chunks exist
+(an index lookup, cached per request, never a payload fetch or a checksum) and describes
+each step's work in one :class:`~connectors.metadata.StepMetadata` that names chunks by
+key. The worker half fetches and verifies them; a chunk that turns out missing or bad
+there is reported back and the request is recomputed (vLLM's ``kv_load_failure_policy``
+"recompute"), never loaded wrong.
+
+What exists is the union of two views: the store's own index (shared with the worker when
+both halves run in one process; Redis is shared across processes) and the keys the worker
+reports as stored (:class:`~connectors.metadata.WorkerReport`; the only view of a worker's
+private CPU tier under vLLM's multiprocess engine). A request whose next chunk is still
+being saved by the worker waits (``None`` to vLLM: "ask again") until the save is reported
+or ``save_wait_s`` passes, so a prompt repeated right after its first request is a hit.
 
 Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at token ``s``::
 
@@ -18,14 +27,15 @@ the last chunk's kept rows (its last K tokens) sit at their logical distance fro
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig
 from connectors.holes import Hole
-from connectors.metadata import CaptureSpec, LoadSpec, SaveSpec, StepMetadata
-from lmcompact.store import ChunkKey, ChunkKeyer, CompactedChunk, TieredStore
+from connectors.metadata import CaptureSpec, LoadSpec, SaveSpec, StepMetadata, WorkerReport
+from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +47,15 @@ class _Tracked:
     prompt: list[int]
     keys: list[ChunkKey]
     block_ids: list[int] = field(default_factory=list)
-    pending: list[CompactedChunk] | None = None
+    pending: int = 0  # chunks matched by the last lookup, not yet confirmed
     pending_start: int = 0
     confirmed: bool = False
     loaded_end: int = 0
+    load_start: int | None = None  # start of a load the worker has not confirmed yet
     hole: Hole | None = None
     saved: bool = False
+    looked_up: tuple[int, int, int] | None = None  # (first, last, index version) -> present
+    present: int = 0
 
 
 class SchedulerHalf:
@@ -54,14 +67,26 @@ class SchedulerHalf:
         facts: shim.EngineFacts,
         store: TieredStore,
         keyer: ChunkKeyer,
+        save_wait_s: float = 30.0,
     ) -> None:
         self.config = config
         self.facts = facts
         self.store = store
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
+        self.save_wait_s = save_wait_s
         self._requests: dict[str, _Tracked] = {}
-        self.stats = {"lookups": 0, "hit_chunks": 0, "rejected_chunks": 0}
+        self._reported: set[ChunkKey] = set()  # stored, as the worker said
+        self._saving: dict[ChunkKey, float] = {}  # save planned -> monotonic time planned
+        self._version = 0  # bumps whenever what is known to exist changes
+        self.stats = {
+            "lookups": 0,
+            "store_queries": 0,
+            "hit_chunks": 0,
+            "waits": 0,
+            "wait_timeouts": 0,
+            "load_failures": 0,
+        }
 
     # ------------------------------------------------------------------ lookups
     def _track(self, request: Any) -> _Tracked:
@@ -73,10 +98,44 @@ class SchedulerHalf:
             self._requests[req_id] = tracked
         return tracked
 
-    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` that stored chunks cover (0 when none)."""
+    def _present(self, tracked: _Tracked, first: int, last: int) -> int:
+        """Leading chunks of ``keys[:last]`` known to exist (from ``first`` on); cached per
+        request until the known set changes, so a waiting request costs no store query."""
+        probe = (first, last, self._version)
+        if tracked.looked_up == probe:
+            return tracked.present
+        present = first
+        while present < last and tracked.keys[present] in self._reported:
+            present += 1
+        if present < last:
+            self.stats["store_queries"] += 1
+            try:
+                present += self.store.lookup_prefix(tracked.keys[present:last])
+            except Exception:  # the store answers misses for faults; this is a last guard
+                logger.exception("store lookup failed; treating the rest as a miss")
+        tracked.looked_up, tracked.present = probe, present
+        return present
+
+    def _save_in_flight(self, key: ChunkKey) -> bool:
+        planned = self._saving.get(key)
+        if planned is None:
+            return False
+        if time.monotonic() - planned <= self.save_wait_s:
+            return True
+        del self._saving[key]
+        self.stats["wait_timeouts"] += 1
+        logger.warning(
+            "a chunk save planned %.0f s ago was never reported; serving without it "
+            "(the tokens are recomputed)",
+            self.save_wait_s,
+        )
+        return False
+
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
+        """Tokens beyond ``num_computed`` that stored chunks cover (0 when none), or None
+        while the next chunk's save is in flight (vLLM asks again on a later step)."""
         tracked = self._track(request)
-        tracked.pending, tracked.confirmed = None, False
+        tracked.pending, tracked.confirmed = 0, False
         c = self.config.chunk_size
         if not self.config.load or num_computed % c:
             return 0
@@ -85,66 +144,48 @@ class SchedulerHalf:
         if last <= first:
             return 0
         self.stats["lookups"] += 1
-        try:
-            present = self.store.lookup_prefix(tracked.keys[:last])
-            found = self.store.get_many(tracked.keys[first:present]) if present > first else []
-        except Exception:  # the store answers misses for faults; this is a last guard
-            logger.exception("store lookup failed for %s; recomputing", request.request_id)
+        present = self._present(tracked, first, last)
+        if present < last and self._save_in_flight(tracked.keys[present]):
+            self.stats["waits"] += 1
+            return None
+        if present <= first:
             return 0
-        chunks: list[CompactedChunk] = []
-        for index, chunk in enumerate(found):
-            problem = "missing" if chunk is None else self._problem(chunk)
-            if problem is not None:
-                if chunk is not None:
-                    self.stats["rejected_chunks"] += 1
-                    logger.warning(
-                        "rejecting stored chunk %d of %s (%s); recomputing from it",
-                        first + index,
-                        request.request_id,
-                        problem,
-                    )
-                break
-            assert chunk is not None
-            chunks.append(chunk.clone())  # tiers hand out views; loads happen a step later
-        if not chunks:
-            return 0
-        tracked.pending, tracked.pending_start = chunks, num_computed
-        self.stats["hit_chunks"] += len(chunks)
-        return len(chunks) * c
-
-    def _problem(self, chunk: CompactedChunk) -> str | None:
-        """Why ``chunk`` cannot be loaded into this engine, or None."""
-        f = self.facts
-        expected = (
-            f.num_layers,
-            f.num_kv_heads,
-            f.head_dim,
-            f.head_dim,
-            f.dtype,
-            self.config.chunk_size,
-            self.kept,
-        )
-        got = (
-            chunk.num_layers,
-            chunk.num_kv_heads,
-            chunk.keys.shape[1],
-            chunk.values.shape[1],
-            chunk.dtype,
-            chunk.num_tokens,
-            chunk.uniform_count(),
-        )
-        if got != expected:
-            return f"shape/dtype/kept {got} != expected {expected}"
-        pos = chunk.positions
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= chunk.num_tokens):
-            return "positions outside the chunk"
-        return None
+        tracked.pending, tracked.pending_start = present - first, num_computed
+        return tracked.pending * c
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         tracked = self._track(request)
-        tracked.confirmed = num_external_tokens > 0 and tracked.pending is not None
+        tracked.confirmed = num_external_tokens > 0 and tracked.pending > 0
         if not tracked.confirmed:
-            tracked.pending = None
+            tracked.pending = 0
+
+    def take_report(self, report: WorkerReport) -> set[str]:
+        """Fold a worker report in; return the requests whose loads failed (their holes
+        are gone: vLLM recomputes them from the load's start)."""
+        if report.saved or report.missing:
+            self._version += 1
+        self._reported |= report.saved
+        self._reported -= report.missing
+        for key in report.saved | report.save_failed:
+            self._saving.pop(key, None)
+        if report.save_failed:
+            self._version += 1
+        for req_id in report.loaded:
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.load_start = None
+        failed: set[str] = set()
+        for req_id in report.load_failed:
+            self.stats["load_failures"] += 1
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            failed.add(req_id)
+            if tracked.load_start is not None:
+                tracked.loaded_end = tracked.load_start
+            tracked.hole, tracked.load_start = None, None
+            tracked.saved = False  # the recompute stores what was missing
+        return failed
 
     # -------------------------------------------------------------- step planning
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
@@ -169,6 +210,7 @@ class SchedulerHalf:
         for req_id in shim.preempted_req_ids(scheduler_output):
             if req_id in self._requests:
                 self._requests[req_id].hole = None
+                self._requests[req_id].load_start = None
         meta.finished = shim.finished_req_ids(scheduler_output)
         for req_id in meta.finished:
             self._requests.pop(req_id, None)
@@ -180,27 +222,30 @@ class SchedulerHalf:
         tracked.hole = None
         tracked.loaded_end = sched.num_computed - sched.num_computed % c
         if not (tracked.confirmed and tracked.pending):
-            tracked.pending = None
+            tracked.pending = 0
             return
-        chunks, start = tracked.pending, tracked.pending_start
-        tracked.pending, tracked.confirmed = None, False
-        meta.loads.append(LoadSpec(sched.req_id, list(tracked.block_ids), start, chunks))
-        tracked.loaded_end = start + len(chunks) * c
-        hole_tokens = len(chunks) * (c - self.kept)
-        logger.info(
-            "loaded %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
-            sched.req_id,
-            len(chunks) * c,
-            len(chunks) * self.kept,
-            " (compacted)" if hole_tokens else "",
-        )
+        count, start = tracked.pending, tracked.pending_start
+        tracked.pending, tracked.confirmed = 0, False
+        first = start // c
+        keys = tracked.keys[first : first + count]
+        meta.loads.append(LoadSpec(sched.req_id, list(tracked.block_ids), start, keys))
+        self.stats["hit_chunks"] += count
+        tracked.loaded_end = start + count * c
+        tracked.load_start = start
+        hole_tokens = count * (c - self.kept)
         if hole_tokens:
             tracked.hole = Hole(
                 first_block=tracked.block_ids[0],
-                start_block=(start + len(chunks) * self.kept) // bs,
+                start_block=(start + count * self.kept) // bs,
                 num_blocks=hole_tokens // bs,
-                window_lead=(start + (len(chunks) - 1) * self.kept) // bs,
+                window_lead=(start + (count - 1) * self.kept) // bs,
             )
+
+    def load_unconfirmed(self, req_id: str) -> bool:
+        """True while a load of ``req_id`` was sent and the worker has not confirmed it
+        (its hole blocks must stay held: a failed load is recomputed into them)."""
+        tracked = self._requests.get(req_id)
+        return tracked is not None and tracked.load_start is not None
 
     def _plan_save(
         self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata
@@ -223,17 +268,19 @@ class SchedulerHalf:
         n_full = prompt_len // c
         first = tracked.loaded_end // c
         if first < n_full:
-            try:
-                first = max(first, self.store.lookup_prefix(tracked.keys[:n_full]))
-            except Exception:
-                logger.exception("store lookup failed while planning a save")
+            first = max(first, self._present(tracked, 0, n_full))
+        while first < n_full and self._save_in_flight(tracked.keys[first]):
+            first += 1  # another request is saving the same leading chunks right now
         if first >= n_full:
             return
+        keys = tracked.keys[first:n_full]
+        now = time.monotonic()
+        self._saving.update((key, now) for key in keys)
         meta.saves.append(
             SaveSpec(
                 req_id=sched.req_id,
                 block_ids=list(tracked.block_ids),
-                keys=tracked.keys[first:n_full],
+                keys=keys,
                 start=first * c,
                 num_tokens=prompt_len - first * c,
             )

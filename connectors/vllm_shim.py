@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _connector_base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -41,8 +42,35 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
     "ScheduledRequest",
 ]
+
+
+class _NoWorkerMetadata:
+    """Stand-in base where vLLM has no worker -> scheduler metadata (never sent there)."""
+
+    def aggregate(self, other: Any) -> Any:
+        return self
+
+
+KVConnectorWorkerMetadata: type = getattr(
+    _connector_base, "KVConnectorWorkerMetadata", _NoWorkerMetadata
+)
+"""Base of worker -> scheduler metadata (vLLM 0.26 and 0.32 have it)."""
+
+
+def worker_metadata(connector_output: Any) -> Any:
+    """The aggregated worker metadata of one step's ``KVConnectorOutput``, or None."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
+def recomputes_failed_loads(vllm_config: Any) -> bool:
+    """Whether vLLM recomputes blocks a connector reports as failed (instead of failing the
+    request): ``kv_load_failure_policy`` "recompute"; engines without the option recompute."""
+    transfer = vllm_config.kv_transfer_config
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    return policy is None or policy == "recompute"
 
 
 def vllm_version() -> str:

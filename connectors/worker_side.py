@@ -2,13 +2,17 @@
 
 Per step::
 
-    start_load_kv   write loaded chunks into blocks (packed), find capture rows,
-                    swap per-layer attention metadata for copies that skip holes
+    start_load_kv   fetch and verify the step's chunks, write them into blocks (packed);
+                    a load with a missing or bad chunk is not written: its blocks are
+                    reported to vLLM (recomputed) and to the scheduler half;
+                    find capture rows, swap per-layer attention metadata for copies that
+                    skip holes
     attention       (patched) copy the window queries of capture rows, per layer
     wait_for_save   copy the pages of finished prefills; compaction and store puts run
                     on a background thread, so the forward pass waits only for the copy
 
 The worker keeps no request state except queries collected for a save still to come.
+After each step it reports what it stored and loaded (:class:`WorkerReport`).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ from typing import Any
 import torch
 
 from connectors import vllm_shim as shim
-from connectors.compaction import SaveJob, compact_job, full_nbytes
+from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
 from connectors.config import ConnectorConfig
 from connectors.kv_layout import PageLayout, make_layout
-from connectors.metadata import LoadSpec, SaveSpec, StepMetadata
-from lmcompact.store import TieredStore
+from connectors.metadata import LoadSpec, SaveSpec, StepMetadata, WorkerReport
+from lmcompact.store import CompactedChunk, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +66,13 @@ class WorkerHalf:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
+        self._report = WorkerReport()
+        self._load_errors: set[int] = set()
         self.stats: dict[str, float] = {
             "loads": 0,
             "loaded_chunks": 0,
+            "load_failures": 0,
+            "rejected_chunks": 0,
             "saves": 0,
             "saved_chunks": 0,
             "bytes_stored": 0,
@@ -158,12 +166,23 @@ class WorkerHalf:
             self._skip_holes(meta, per_layer)
 
     def _load(self, load: LoadSpec) -> None:
-        """Write chunk rows into slots ``start + i * kept ..`` of every (layer, head)."""
+        """Fetch, verify and write chunk rows into slots ``start + i * kept ..`` of every
+        (layer, head); or, when any chunk is missing or bad, write nothing and report the
+        load's blocks (vLLM recomputes the request from ``load.start``)."""
+        chunks = self._fetch(load)
+        if chunks is None:
+            bs = self.facts.block_size
+            end = load.start + len(load.keys) * self.config.chunk_size
+            self._load_errors.update(load.block_ids[load.start // bs : end // bs])
+            with self._lock:
+                self._report.load_failed.add(load.req_id)
+            self.stats["load_failures"] += 1
+            return
         h = self.facts.num_kv_heads
+        dense = [chunk.to_dense() for chunk in chunks]  # (L, H, kept, D) each
         for name, kv in self.kv_caches.items():
             layer = self.layer_index[name]
-            for i, chunk in enumerate(load.chunks):
-                keys, values, _ = chunk.to_dense()  # (L, H, kept, D)
+            for i, (keys, values, _) in enumerate(dense):
                 self.layout.write(
                     kv,
                     load.block_ids,
@@ -171,9 +190,61 @@ class WorkerHalf:
                     keys[layer, :h],
                     values[layer, :h],
                 )
+        with self._lock:
+            self._report.loaded.add(load.req_id)
         self.stats["loads"] += 1
-        self.stats["loaded_chunks"] += len(load.chunks)
-        logger.debug("loaded %d chunks for %s", len(load.chunks), load.req_id)
+        self.stats["loaded_chunks"] += len(chunks)
+        c = self.config.chunk_size
+        logger.info(
+            "loaded %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
+            load.req_id,
+            len(chunks) * c,
+            len(chunks) * self.kept,
+            " (compacted)" if self.kept < c else "",
+        )
+
+    def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
+        """The load's chunks, verified against this engine; None if any is missing or bad."""
+        try:
+            found = self.store.get_many(load.keys)
+        except Exception:  # tiers answer misses for faults; this is a last guard
+            logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
+            found = [None] * len(load.keys)
+        chunks: list[CompactedChunk] = []
+        for index, (key, chunk) in enumerate(zip(load.keys, found, strict=True)):
+            problem = (
+                "missing"
+                if chunk is None
+                else chunk_problem(chunk, self.facts, self.config.chunk_size, self.kept)
+            )
+            if problem is not None:
+                if chunk is not None:
+                    self.stats["rejected_chunks"] += 1
+                    self.store.discard(key)  # so the recompute stores a good one
+                logger.warning(
+                    "stored chunk %d of %s is %s; recomputing the request from token %d",
+                    index,
+                    load.req_id,
+                    problem,
+                    load.start,
+                )
+                with self._lock:
+                    self._report.missing.add(key)
+                return None
+            assert chunk is not None
+            chunks.append(chunk)
+        return chunks
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids of loads that could not be written since the last call (for vLLM)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> WorkerReport | None:
+        """What was stored and loaded since the last call (None when nothing)."""
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return None if report.is_empty() else report
 
     def _find_capture_rows(
         self, meta: StepMetadata, per_layer: dict[str, Any]
@@ -305,6 +376,8 @@ class WorkerHalf:
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
             with self._lock:
+                for (key, _), ok in zip(items, stored, strict=True):
+                    (self._report.saved if ok else self._report.save_failed).add(key)
                 self.stats["saves"] += 1
                 self.stats["saved_chunks"] += sum(stored)
                 self.stats["compact_s"] += elapsed
@@ -325,6 +398,7 @@ class WorkerHalf:
             )
         except Exception:  # never take the engine down for a failed save
             with self._lock:
+                self._report.save_failed.update(job.keys)
                 self.stats["save_errors"] += 1
             logger.exception("saving KV of %s failed; it will be recomputed next time", job.req_id)
 

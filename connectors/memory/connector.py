@@ -124,6 +124,8 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 capture=not self.config.save,
                 needs_scores=needs_scores(self._policy),
             )
+            # an adopted store-load hole goes back only once the worker wrote the load
+            self.memory_scheduler.held_back = self._scheduler().load_unconfirmed
         logger.info(
             "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s decode_policy=%s sinks=%d",
             role,
@@ -152,6 +154,10 @@ class LMCompactMemoryConnector(LMCompactConnector):
         if self.memory_scheduler is None:
             raise RuntimeError("scheduler-side call on the worker connector")
         return self.memory_scheduler
+
+    def on_load_failures(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._memory().cancel_hole(req_id)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # vLLM >= 0.32: the manager itself (its base implementation then calls

@@ -32,6 +32,7 @@ the first things that may write the block again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
@@ -103,6 +104,7 @@ class MemoryScheduler:
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
         self.stats = MemoryStats()
+        self.held_back: Callable[[str], bool] = lambda req_id: False
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -184,6 +186,11 @@ class MemoryScheduler:
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
 
+    def cancel_hole(self, req_id: str) -> None:
+        """A store load was refused by the worker: vLLM recomputes the request into the
+        blocks it still holds, so its adopted hole is dropped, not released."""
+        self.planner.forget(req_id)
+
     def take_merges(self) -> list[MergeJob]:
         """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
         requests whose blocks vLLM took back in the meantime)."""
@@ -198,8 +205,8 @@ class MemoryScheduler:
 
     def _release(self, req_id: str) -> None:
         hole = self.planner.visible(req_id, self.step)
-        if hole is None:
-            return
+        if hole is None or self.held_back(req_id):
+            return  # no hole yet, or a store load the worker has not confirmed
         ledger = self._ledger()
         row = ledger.blocks(req_id)
         if not row or row[0].block_id != hole.first_block:

@@ -114,16 +114,12 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+
+    from connectors.offline import transfer_config
 
     kwargs: dict[str, Any] = {}
     if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra),
-        )
+        kwargs["kv_transfer_config"] = transfer_config(extra, "LMCompactMemoryConnector")
     max_model_len = min(
         (workload.num_blocks - 1) * workload.block_size,
         workload.context_tokens + workload.new_tokens + 256,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 from typing import Any
 
 from lmcompact.cli._output import format_table, write_json
@@ -75,7 +76,20 @@ def build_prompt(tokenizer: Any, context: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from connectors import offline
+    from connectors.preflight import check_extra_config
 
+    extra = {
+        "policy": args.policy,
+        "budget": args.budget,
+        "chunk_size": args.chunk_size,
+        "window": args.window,
+        "tiers": ["cpu"],
+    }
+    try:  # bad options fail here, before the model and vLLM load
+        check_extra_config("LMCompactConnector", extra)
+    except ValueError as exc:
+        print(f"lmcompact demo: {exc}", file=sys.stderr)
+        return 2
     offline.in_process_env()
     from transformers import AutoTokenizer
 
@@ -85,13 +99,6 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt = build_prompt(tokenizer, haystack(tokenizer, args.context_tokens, args.needle_depth))
-    extra = {
-        "policy": args.policy,
-        "budget": args.budget,
-        "chunk_size": args.chunk_size,
-        "window": args.window,
-        "tiers": ["cpu"],
-    }
     llm = offline.build_llm(args.model, extra, max_model_len=max(4096, len(prompt) + 64))
     try:
         first = offline.generate(llm, prompt, max_tokens=1)  # miss: computes, then stores

@@ -263,6 +263,16 @@ class TieredStore:
                 present[i] = hit
         return next((i for i, p in enumerate(present) if not p), len(keys))
 
+    def discard(self, key: ChunkKey) -> int:
+        """Remove ``key`` from every tier (an entry found unusable); returns tiers that held it."""
+        removed = 0
+        for tier in self.tiers:
+            try:
+                removed += bool(tier.delete(key))
+            except Exception:  # a tier that is down holds nothing we could serve anyway
+                logger.warning("could not delete a chunk from tier %s", tier.name, exc_info=True)
+        return removed
+
     def pin(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
         """Pin ``keys`` in every memory tier holding them, so loading them is safe.
 

@@ -19,16 +19,11 @@ BLOCK_SIZE = 32
 def transfer_config(
     extra: Mapping[str, Any],
     connector: str = "LMCompactConnector",
-    module_path: str = "connectors.lmcompact_connector",
+    module_path: str | None = None,
 ) -> Any:
-    from vllm.config import KVTransferConfig
+    from connectors.offline import transfer_config as build
 
-    return KVTransferConfig(
-        kv_connector=connector,
-        kv_connector_module_path=module_path,
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(extra),
-    )
+    return build(extra, connector, module_path)
 
 
 @contextmanager

@@ -139,7 +139,8 @@ def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
 
 
 def test_corrupted_entry_is_rejected_and_recomputed(tiny_model: str) -> None:
-    """A malformed chunk in the CPU tier is refused at lookup; the rest is recomputed, exactly."""
+    """A malformed chunk in the CPU tier is refused by the worker when it loads it; vLLM
+    recomputes the request from the load's start, exactly, and the chunk is stored again."""
     from lmcompact.store import ChunkKeyer
 
     with engine(tiny_model, None) as llm:
@@ -165,7 +166,12 @@ def test_corrupted_entry_is_rejected_and_recomputed(tiny_model: str) -> None:
         cpu.delete(second_key)
         assert cpu.put(second_key, bad)
         out = greedy(llm, PROMPT)
-        assert connector.worker_half.stats["loaded_chunks"] == 1  # chunk 0 only
+        stats = connector.worker_half.stats
+        assert stats["rejected_chunks"] == 1 and stats["load_failures"] == 1
+        assert stats["loaded_chunks"] == 0  # nothing of a refused load is written
+        connector.worker_half.drain()
+        stored_again = cpu.get(second_key)
+        assert stored_again is not None and stored_again.total_kept == good.total_kept
     assert out == baseline
 
 
