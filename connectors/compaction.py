@@ -1,14 +1,31 @@
-"""Turn a request's copied KV pages and window queries into compacted store chunks.
+"""Turn a request's copied KV pages and captured queries into compacted store chunks.
 
 Engine-free (torch + lmcompact only), so the worker can run it on a background thread and
 unit tests can run it without vLLM. One save job covers chunks ``first_chunk ..`` of a
-prompt; the observation window is the prompt's last queries, scored against every key of
-the span in O(W x chunk) memory (:func:`~lmcompact.attention.scores.window_scores`)::
+prompt. The captured queries are the observation window (the prompt's last ``window``
+queries: SnapKV's mass, TOVA's rows, Expected Attention's query statistics) and, for
+``kvzip``, a sample across the whole prompt (:meth:`CompactionPolicy.context_queries`);
+both are scored against every key of the span (window mass in O(W x chunk) memory,
+context scores in O(Hq x 128 x T), never S x T)::
 
     prompt     |<- loaded from store ->|<- chunk f ->|<- chunk f+1 ->|<- tail ->|
     pages                              [.............................. ........]
+    sampled                               q     q     q     q     q     q
     window                                                          [ q q q q ]
-    each chunk: policy.plan(keys, values, window mass) -> kept rows (layer, head)-major
+    each chunk: policy.plan(keys, values, scores sliced to the chunk) -> kept rows
+
+Chunk-local budgets (kept on purpose): every chunk keeps the same K of its C tokens per
+(layer, head), chosen by scores that were computed over the whole span (queries from
+the whole prompt, softmax over every key of the span). A global top-k across chunks
+would give each chunk its own count; the store needs a fixed count per chunk: a later
+request may hit any prefix of the chunks, and its load packs ``n * K`` slots and cuts
+a hole of ``n * (C - K)`` tokens computed from ``n`` alone (``SchedulerHalf._start``,
+``_problem`` rejects other counts). The uniform budget also guarantees coverage: no
+stretch of a stored context is emptied, which matters when the questions that will
+reuse it are unknown. Keys loaded from the store before the span are not scored (not
+in the copied pages): their share of each query's softmax is missing, a constant
+factor per query that changes the max aggregation little. Candidates carry absolute
+positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's.
 """
 
 from __future__ import annotations
@@ -21,7 +38,8 @@ from typing import Protocol
 import torch
 
 from connectors.kv_layout import PageLayout
-from lmcompact.attention.scores import window_scores
+from lmcompact.attention.rope import Rope
+from lmcompact.attention.scores import context_scores, window_scores
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
@@ -56,9 +74,12 @@ class SaveJob:
         start: first token of the span (``first_chunk * chunk_size``).
         num_tokens: tokens of the span present in ``pages`` (chunks plus the unsaved tail).
         pages: per layer ``(n_blocks, H, block_size, 2 * D)`` page copies from ``start``.
-        queries: per layer ``(W, Hq, D)`` post-RoPE window queries, or None.
-        query_positions: ``(W,)`` absolute positions of the window queries, or None.
+        queries: per layer ``(S, Hq, D)`` post-RoPE captured queries, or None.
+        query_positions: ``(S,)`` absolute positions of the captured queries, or None.
         scale: attention softmax scale of the model.
+        window: the last ``window`` prompt positions form the observation window; None
+            means every captured query is in it.
+        rope: the model's RoPE when known (Expected Attention rotates with it).
     """
 
     req_id: str
@@ -69,6 +90,27 @@ class SaveJob:
     queries: list[torch.Tensor] | None
     query_positions: torch.Tensor | None
     scale: float
+    window: int | None = None
+    rope: Rope | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.start + self.num_tokens
+
+    def rows(self, policy: CompactionPolicy) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Indices into the captured queries: the window's and the context sample's."""
+        if self.query_positions is None:
+            return None, None
+        positions = self.query_positions
+        if self.window is None:
+            window = torch.arange(positions.numel())
+        else:
+            window = torch.nonzero(positions >= self.prompt_len - self.window).flatten()
+        sampled = policy.context_queries(self.prompt_len)
+        context = None
+        if sampled is not None:
+            context = torch.nonzero(torch.isin(positions, sampled)).flatten()
+        return window, context
 
 
 def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tensor:
@@ -130,6 +172,29 @@ def observe_layer(
     return mass[0], None if rows is None else rows[0]
 
 
+def observe_context(
+    job: SaveJob,
+    policy: CompactionPolicy,
+    keys: torch.Tensor,
+    queries: torch.Tensor | None,
+    rows: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``(H, T)`` context scores of one layer (max softmax weight over the sampled
+    queries, causal) when the policy reads them, else None."""
+    if Need.CONTEXT_SCORES not in policy.needs or queries is None or rows is None:
+        return None
+    if rows.numel() == 0:
+        return None
+    assert job.query_positions is not None
+    q = queries[rows].to(keys.device).permute(1, 0, 2).unsqueeze(0)  # (1, Hq, S, D)
+    positions = job.query_positions[rows].to(keys.device) - job.start
+    shift = policy.context_shift(job.prompt_len) if job.rope is not None else None
+    scores = context_scores(
+        q, keys.unsqueeze(0), positions, scale=job.scale, shift=shift, rope=job.rope
+    )
+    return scores[0]
+
+
 def compact_job(
     job: SaveJob,
     layout: PageLayout,
@@ -158,17 +223,33 @@ def compact_job(
     if job.num_tokens < n_chunks * chunk_size:
         raise ValueError(f"job has {job.num_tokens} tokens, {n_chunks} chunks need more")
     per_layer: list[tuple[torch.Tensor, torch.Tensor]] = []
-    observations: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    observations: list[LayerObservation] = []
+    window, context = job.rows(policy)
+    window_positions = None
+    if window is not None and job.query_positions is not None:
+        window_positions = job.query_positions[window]
     for index, pages in enumerate(job.pages):
         keys, values = layout.pages_to_tokens(pages)
         keys, values = keys[:, : job.num_tokens], values[:, : job.num_tokens]
         per_layer.append((keys, values))
         queries = None if job.queries is None else job.queries[index]
+        window_queries = None if queries is None or window is None else queries[window]
+        mass, rows = observe_layer(
+            keys, values, window_queries, window_positions, job.start, policy.needs, job.scale
+        )
         observations.append(
-            observe_layer(
-                keys, values, queries, job.query_positions, job.start, policy.needs, job.scale
+            LayerObservation(
+                window_scores=mass,
+                window_attention=rows,
+                context_scores=observe_context(job, policy, keys, queries, context),
+                window_queries=(
+                    window_queries.permute(1, 0, 2)
+                    if Need.WINDOW_QUERIES in policy.needs and window_queries is not None
+                    else None
+                ),
             )
         )
+    heads = per_layer[0][0].shape[0]
     out: list[tuple[ChunkKey, CompactedChunk]] = []
     for c, key in enumerate(job.keys):
         lo, hi = c * chunk_size, (c + 1) * chunk_size
@@ -176,16 +257,27 @@ def compact_job(
             LayerObservation(
                 keys=k[:, lo:hi],
                 values=v[:, lo:hi],
-                window_scores=None if mass is None else mass[:, lo:hi],
-                window_attention=None if rows is None else rows[:, :, lo:hi],
+                window_scores=None if obs.window_scores is None else obs.window_scores[:, lo:hi],
+                window_attention=(
+                    None if obs.window_attention is None else obs.window_attention[:, :, lo:hi]
+                ),
+                context_scores=(
+                    None if obs.context_scores is None else obs.context_scores[:, lo:hi]
+                ),
+                window_queries=obs.window_queries,
             )
-            for (k, v), (mass, rows) in zip(per_layer, observations, strict=True)
+            for (k, v), obs in zip(per_layer, observations, strict=True)
         ]
+        positions = torch.arange(job.start + lo, job.start + hi).expand(heads, -1)
         inputs = CompactionInputs(
             chunk_size,
-            per_layer[0][0].shape[0],
+            heads,
             layers,
+            positions=positions,
             budget_tokens=kept_per_chunk,
+            query_positions=window_positions,
+            rope=job.rope,
+            attention_scale=job.scale,
         )
         plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
         if plan is not None:

@@ -33,6 +33,7 @@ from lmcompact.policies import (
 from lmcompact.store import StoreConfig
 
 TIERS = ("cpu", "redis")
+COMPACT_ON = ("save", "load")
 UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
 BUDGET_TOLERANCE = 0.1
 """A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
@@ -89,7 +90,8 @@ class ConnectorConfig:
             names the possible values).
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
         window: observation-window queries (the prompt's last ``window`` tokens) captured for
-            score-based policies.
+            score-based policies (and Expected Attention's query statistics); ``kvzip``
+            also captures its own sample of queries across the prompt.
         tiers: store tiers, fastest first, from ``("cpu", "redis")``.
         cpu_capacity_mb: CPU tier size in MiB.
         redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
@@ -99,6 +101,13 @@ class ConnectorConfig:
         async_save: compact and store on a background thread (the forward pass only waits
             for a page copy); False does it inline (deterministic, slower).
         model_id: name that enters the store namespace; None uses the engine's model path.
+        compact_on: when the policy runs on a stored prefix. ``"save"``: chunks are compacted
+            when they are saved (the observation window is the end of the saving prompt) and
+            stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
+            ``none``, never mixed with compacted entries) and the loading request's own
+            prefill packs them in place with the policy, its window being that request's
+            tail (its question); needs :class:`LMCompactMemoryConnector` with a compacting
+            ``memory.prefill`` mode.
     """
 
     policy: str = "none"
@@ -114,6 +123,7 @@ class ConnectorConfig:
     load: bool = True
     async_save: bool = True
     model_id: str | None = None
+    compact_on: str = "save"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -183,6 +193,10 @@ class ConnectorConfig:
                 isinstance(getattr(self, name), bool),
                 f"{name} must be true or false, got {getattr(self, name)!r}",
             )
+        need(
+            self.compact_on in COMPACT_ON,
+            f"compact_on must be one of {list(COMPACT_ON)}, got {self.compact_on!r}",
+        )
         self.make_policy()  # unknown policy or bad parameters raise here
         self.store_config()
 
@@ -192,6 +206,11 @@ class ConnectorConfig:
         """True when stored chunks may hold fewer tokens than they cover."""
         return self.policy != "none" and float(self.budget) < 1.0
 
+    @property
+    def store_compacts(self) -> bool:
+        """True when the store holds compacted chunks (``compact_on`` ``"save"``)."""
+        return self.compacts and self.compact_on == "save"
+
     def make_policy(self) -> CompactionPolicy:
         params = dict(self.policy_params)
         if "budget" in params:
@@ -200,10 +219,22 @@ class ConnectorConfig:
             params["budget"] = Budget(ratio=float(self.budget))
         return make_policy(self.policy, **params)
 
+    def store_policy(self) -> CompactionPolicy:
+        """The policy applied when chunks are saved: ``none`` unless they are stored
+        compacted."""
+        return self.make_policy() if self.store_compacts else make_policy("none")
+
+    @property
+    def store_policy_name(self) -> str:
+        return self.policy if self.store_compacts else "none"
+
     def namespace_params(self) -> dict[str, Any]:
-        """Policy identity that enters the store namespace (plain JSON data)."""
+        """Policy identity that enters the store namespace (plain JSON data); whole chunks
+        (policy ``none``, or ``compact_on`` ``"load"``) share one namespace."""
+        if not self.store_compacts:
+            return {"budget": 1.0}
         params = dict(self.policy_params)
-        params["budget"] = float(self.budget) if self.compacts else 1.0
+        params["budget"] = float(self.budget)
         return params
 
     def store_config(self) -> StoreConfig:
@@ -214,12 +245,13 @@ class ConnectorConfig:
         )
 
     def kept_per_chunk(self, block_size: int) -> int:
-        """Tokens each (layer, head) keeps of one chunk: the budget in whole blocks (>= 1).
+        """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
+        (>= 1); the whole chunk when chunks are stored uncompacted.
 
         :func:`validate_against_engine` refuses a budget this rounding would change by more
         than :data:`BUDGET_TOLERANCE` (when the store path is on).
         """
-        if not self.compacts:
+        if not self.store_compacts:
             return self.chunk_size
         return kept_blocks(float(self.budget), self.chunk_size // block_size) * block_size
 
@@ -250,7 +282,8 @@ def validate_against_engine(
         )
     if not config.compacts:
         return
-    if config.save or config.load:
+    if config.store_compacts and (config.save or config.load):
+        # chunks stored whole (compact_on "load") are packed per prompt, checked there
         check_budget_geometry(float(config.budget), config.chunk_size, block_size)
     if prefix_caching:
         raise ValueError(
@@ -264,11 +297,20 @@ def validate_against_engine(
         raise ValueError(
             f"policy {config.policy!r} needs {missing}, which the vLLM connector does not "
             "capture (it sees the observation window's queries and the keys/values); "
-            "allowed: policies needing KEYS, WINDOW_SCORES or WINDOW_ATTENTION"
+            "allowed: policies needing KEYS, WINDOW_SCORES, WINDOW_ATTENTION, WINDOW_QUERIES "
+            "or CONTEXT_SCORES"
+        )
+    if policy.needs & (Need.WINDOW_QUERIES | Need.WINDOW_SCORES | Need.WINDOW_ATTENTION) and (
+        config.window < 1
+    ):
+        raise ValueError(
+            f"policy {config.policy!r} reads the observation window's queries; window must be "
+            f">= 1 (default 32), got {config.window}"
         )
     if per_head_counts:
         return
-    kept = config.kept_per_chunk(block_size)
+    # the count the policy must honour per chunk, whether it runs at save or at load
+    kept = dataclasses.replace(config, compact_on="save").kept_per_chunk(block_size)
     plan = policy.plan(probe_inputs(config, policy, num_layers, num_kv_heads, head_dim, kept))
     counts = plan.kept_counts()
     if not bool((counts == kept).all()):
@@ -278,7 +320,8 @@ def validate_against_engine(
             f"{kept} per chunk); the "
             "vLLM connector needs the same count everywhere (attention skips one "
             "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
-            "knorm, tova, random; per-head policies run with LMCompactMemoryConnector's "
+            "knorm, tova, random, kvzip, expected_attention; per-head policies run with "
+            "LMCompactMemoryConnector's "
             'memory option "per_head"'
         )
 
@@ -306,6 +349,14 @@ def probe_inputs(
                 values=torch.randn_like(keys),
                 window_scores=scores,
                 window_attention=attention,
+                context_scores=torch.rand(num_kv_heads, t, generator=gen),
+                window_queries=torch.randn(num_kv_heads, window, head_dim, generator=gen),
             )
         )
-    return CompactionInputs(t, num_kv_heads, layers, budget_tokens=kept)
+    return CompactionInputs(
+        t,
+        num_kv_heads,
+        layers,
+        budget_tokens=kept,
+        query_positions=torch.arange(t, t + window),
+    )

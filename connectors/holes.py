@@ -108,3 +108,43 @@ def skip_holes(
         table[r, kept.numel() :] = 0
         lens[r] -= (lead + n) * block_size
     return table, lens, rows
+
+
+def skip_holes_on_device(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    holes: Mapping[int, Hole],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`skip_holes` without reading the table back to the host (no synchronisation).
+
+    Rows are matched to holes by their first block on the device (a sorted lookup of the
+    holes' first blocks); every row shifts its columns from the hole's start left by the
+    hole's length (rows without a hole shift by 0), and the key length shrinks by the hole.
+    The per-row checks of :func:`skip_holes` are not made (they would need the host).
+
+    Returns:
+        New ``(block_table, seq_lens)`` or None when there are no holes or rows.
+    """
+    if not holes or num_reqs == 0:
+        return None
+    device = block_table.device
+    firsts = sorted(holes)
+    keys = torch.tensor(firsts, dtype=block_table.dtype).to(device, non_blocking=True)
+    spec = torch.tensor(
+        [[holes[f].start_block, holes[f].num_blocks] for f in firsts], dtype=torch.int64
+    ).to(device, non_blocking=True)
+    rows, width = block_table.shape
+    first = block_table[:, 0].contiguous()
+    at = torch.searchsorted(keys, first).clamp(max=len(firsts) - 1)
+    live = torch.arange(rows, device=device) < num_reqs
+    match = (keys[at] == first) & live
+    start = torch.where(match, spec[at, 0], width)
+    count = torch.where(match, spec[at, 1], 0)
+    cols = torch.arange(width, device=device).expand(rows, width)
+    src = torch.where(cols >= start[:, None], cols + count[:, None], cols)
+    moved = torch.gather(block_table, 1, src.clamp(max=width - 1))
+    table = torch.where(src < width, moved, torch.zeros_like(moved))
+    lens = seq_lens - (count * block_size).to(seq_lens.dtype)
+    return table, lens

@@ -57,7 +57,7 @@ class LMCompactWorkerMetadata(shim.KVConnectorWorkerMetadata):  # type: ignore[m
 
 def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
     params = config.namespace_params()
-    if config.compacts and facts.sliding_window is not None:
+    if config.store_compacts and facts.sliding_window is not None:
         # sliding-window layers store each chunk's most recent rows (connectors/holes.py);
         # chunks stored before that must not load as if they did
         params["sliding_rows"] = "recent"
@@ -65,7 +65,7 @@ def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNa
         model_id=config.model_id or facts.model_id,
         kv_dtype=str(facts.dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
-        policy_name=config.policy if config.compacts else "none",
+        policy_name=config.store_policy_name,
         policy_params=params,
     )
 
@@ -76,11 +76,19 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     per_head_counts = False
     """Subclasses that mask per-head padding accept policies whose counts differ per head."""
 
+    packs_in_place = False
+    """Subclasses that compact prompts in place at prefill end accept ``compact_on: load``."""
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         shim.share_engine_logging()  # our INFO lines in the engine's log, in every process
         self.config = ConnectorConfig.from_extra(shim.transfer_extra_config(vllm_config))
         self.facts = shim.engine_facts(vllm_config)
+        if self.config.compacts and self.config.compact_on == "load" and not self.packs_in_place:
+            raise ValueError(
+                f"compact_on 'load' needs a connector that packs prompts in place "
+                f"(LMCompactMemoryConnector), not {type(self).__name__}"
+            )
         validate_against_engine(
             self.config,
             block_size=self.facts.block_size,

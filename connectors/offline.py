@@ -24,10 +24,11 @@ def in_process_env(kv_cache_gib: int = 2) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-CONNECTOR_MODULES = {
+CONNECTORS = {
     "LMCompactConnector": "connectors.lmcompact_connector",
     "LMCompactMemoryConnector": "connectors.memory.connector",
 }
+"""Connector class name -> module path."""
 
 
 def transfer_config(
@@ -35,23 +36,25 @@ def transfer_config(
     connector: str = "LMCompactConnector",
     module_path: str | None = None,
 ) -> Any:
-    """A ``KVTransferConfig`` that loads one of our connectors with ``extra`` options.
+    """A ``KVTransferConfig`` that loads ``connector`` with ``extra`` options.
 
-    ``module_path`` None takes the connector's own module; a subclass elsewhere (tests) names
-    its module. Options of our two connectors are checked first, so a bad one fails before
-    vLLM loads the model. A stored
-    chunk that turns out missing or damaged when the worker loads it is recomputed
-    (``kv_load_failure_policy="recompute"``; vLLM's default "fail" would fail the request).
+    ``connector`` is a :data:`CONNECTORS` name, or a subclass elsewhere whose
+    ``module_path`` is given (tests). Options of our two connectors are checked first, so a
+    bad one fails before vLLM loads the model. A stored chunk that turns out missing or
+    damaged when the worker loads it is recomputed (``kv_load_failure_policy="recompute"``;
+    vLLM's default "fail" would fail the request).
     """
     from connectors.preflight import check_extra_config
 
-    if connector in CONNECTOR_MODULES:
+    if connector in CONNECTORS:
         check_extra_config(connector, extra)
+    elif module_path is None:
+        raise ValueError(f"unknown connector {connector!r}; allowed: {sorted(CONNECTORS)}")
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
         kv_connector=connector,
-        kv_connector_module_path=module_path or CONNECTOR_MODULES[connector],
+        kv_connector_module_path=module_path or CONNECTORS[connector],
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
         kv_load_failure_policy="recompute",
@@ -65,6 +68,7 @@ def build_llm(
     dtype: str = "float32",
     max_model_len: int = 4096,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    connector: str = "LMCompactConnector",
 ) -> Any:
     """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
 
@@ -75,7 +79,7 @@ def build_llm(
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if extra is not None:
-        kwargs["kv_transfer_config"] = transfer_config(extra)
+        kwargs["kv_transfer_config"] = transfer_config(extra, connector)
     return LLM(
         model=model,
         block_size=block_size,
@@ -120,6 +124,37 @@ def connector_stats() -> dict[str, Any]:
         return {}
     connector.worker_half.drain()
     return dict(connector.worker_half.stats)
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The in-process scheduler-side connector of ``llm``, or None."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return getattr(scheduler, "connector", None)
+
+
+def request_counters(llm: Any) -> dict[str, float]:
+    """Cumulative counters of both connector halves after pending saves: store lookups and
+    hit chunks (scheduler), in-place packs, released and adopted hole blocks (memory
+    connector), chunks and bytes stored (worker). Empty without a connector."""
+    out: dict[str, float] = {}
+    scheduler = scheduler_connector(llm)
+    if scheduler is None:
+        return out
+    out.update(connector_stats())
+    half = getattr(scheduler, "scheduler_half", None)
+    if half is not None:
+        out.update(half.stats)
+    memory = getattr(scheduler, "memory_scheduler", None)
+    if memory is not None:
+        out["packs"] = memory.stats.packs
+        out["blocks_released"] = memory.stats.blocks_released
+        out["holes_adopted"] = memory.stats.holes_adopted
+    worker = worker_connector()
+    pack_stats = getattr(worker, "pack_stats", None)
+    if pack_stats is not None:
+        out["pack_s"] = pack_stats["seconds"]
+        out["packs_unscored"] = pack_stats["unscored"]
+    return out
 
 
 def shutdown(llm: Any) -> None:

@@ -26,6 +26,7 @@ the last chunk's kept rows (its last K tokens) sit at their logical distance fro
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class _Tracked:
     saved: bool = False
     looked_up: tuple[int, int, int] | None = None  # (first, last, index version) -> present
     present: int = 0
+    capture: list[int] | None = None
 
 
 class SchedulerHalf:
@@ -75,6 +77,7 @@ class SchedulerHalf:
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
+        self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self._requests: dict[str, _Tracked] = {}
         self._reported: set[ChunkKey] = set()  # stored, as the worker said
         self._saving: dict[ChunkKey, float] = {}  # save planned -> monotonic time planned
@@ -233,6 +236,13 @@ class SchedulerHalf:
         tracked.loaded_end = start + count * c
         tracked.load_start = start
         hole_tokens = count * (c - self.kept)
+        logger.info(
+            "loading %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
+            sched.req_id,
+            count * c,
+            count * self.kept,
+            " (compacted)" if hole_tokens else "",
+        )
         if hole_tokens:
             tracked.hole = Hole(
                 first_block=tracked.block_ids[0],
@@ -247,19 +257,34 @@ class SchedulerHalf:
         tracked = self._requests.get(req_id)
         return tracked is not None and tracked.load_start is not None
 
+    def capture_positions(self, prompt_len: int) -> list[int]:
+        """Sorted prompt positions whose queries the worker copies for the save: the last
+        ``window`` (observation window) and the policy's ``context_queries`` (KVzip's
+        sample across the prompt)."""
+        wanted = set(range(max(0, prompt_len - self.config.window), prompt_len))
+        sampled = self.policy.context_queries(prompt_len)
+        if sampled is not None:
+            wanted.update(int(p) for p in sampled.tolist())
+        return sorted(wanted)
+
     def _plan_save(
         self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata
     ) -> None:
-        """Window captures in the steps that compute the prompt's last tokens; the save in
+        """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""
         if not self.config.save or tracked.saved:
             return
         c, bs = self.config.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
-        window_lo = max(prompt_len - self.config.window, lo)
-        if self.config.window and window_lo < hi:
-            positions = list(range(window_lo, hi))
+        if tracked.capture is None:
+            tracked.capture = self.capture_positions(prompt_len)
+        first, last = (
+            bisect.bisect_left(tracked.capture, lo),
+            bisect.bisect_left(tracked.capture, hi),
+        )
+        if first < last:
+            positions = tracked.capture[first:last]
             slots = [tracked.block_ids[p // bs] * bs + p % bs for p in positions]
             meta.captures.append(CaptureSpec(sched.req_id, slots, positions))
         if hi < prompt_len:

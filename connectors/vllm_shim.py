@@ -33,7 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.holes import Hole, skip_holes
+from connectors.holes import Hole, skip_holes, skip_holes_on_device
+from lmcompact.attention.rope import Rope
 
 logger = logging.getLogger(__name__)
 
@@ -396,6 +397,17 @@ def apply_holes(
             and so does the copy.
     """
     num_reqs = int(metadata.query_start_loc.numel()) - 1
+    name = type(metadata).__name__
+    plain = not sliding and not any(hole.window_lead for hole in holes.values())
+    if plain and name == "FlashAttentionMetadata" and metadata.block_table.is_cuda:
+        # every step of a served batch: no host round trip; the old maximum key length
+        # stays a valid bound for the kernel (sliding-window cuts take the host path)
+        on_device = skip_holes_on_device(
+            metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size
+        )
+        if on_device is None:
+            return metadata
+        return _flash_metadata(metadata, *on_device, int(metadata.max_seq_len))
     edited = skip_holes(
         metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size, sliding
     )
@@ -403,7 +415,6 @@ def apply_holes(
         return metadata
     table, lens, _ = edited
     max_len = int(lens[:num_reqs].max())
-    name = type(metadata).__name__
     if name == "CPUAttentionMetadata":
         return _cpu_metadata(metadata, table, lens, max_len, layer, dtype, group_window)
     if name == "FlashAttentionMetadata":
@@ -490,3 +501,33 @@ def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) ->
             f"the {facts.device_type} attention backend packs KV pages differently from the "
             f"{facts.layout_name!r} layout this connector knows (isa={getattr(layer, 'isa', '?')})"
         )
+
+
+def rope_of(vllm_config: Any) -> Rope | None:
+    """The model's RoPE from its HF config, or None when it is not one plain RoPE.
+
+    Read: ``rope_parameters`` (transformers >= 5) or ``rope_theta`` / ``rope_scaling``,
+    ``partial_rotary_factor`` and the head size. Only the unscaled ("default") type is
+    rebuilt here; scaled types (llama3, yarn, ...) and per-layer-type RoPE (Gemma-3's
+    local / global layers) give None, and policies that rotate (``expected_attention``)
+    then log that they do not. The pair layout is the HF one (neox, ``rotate_half``).
+    """
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_text_config", None) or model.hf_config
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if theta is None or rope_type != "default":
+        logger.info(
+            "RoPE of %s not rebuilt (type %r, parameters %s); no rotation of query statistics",
+            getattr(hf, "model_type", "?"),
+            rope_type,
+            sorted(params) if params else None,
+        )
+        return None
+    head_dim = int(model.get_head_size())
+    factor = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * factor)
+    return Rope.from_theta(float(theta), rotary_dim - rotary_dim % 2, neox=True)

@@ -7,7 +7,8 @@ Per step::
                     reported to vLLM (recomputed) and to the scheduler half;
                     find capture rows, swap per-layer attention metadata for copies that
                     skip holes
-    attention       (patched) copy the window queries of capture rows, per layer
+    attention       (patched) copy the queries of capture rows (the observation window and
+                    the policy's sample across the prompt), per layer
     wait_for_save   copy the pages of finished prefills; compaction and store puts run
                     on a background thread, so the forward pass waits only for the copy
 
@@ -31,6 +32,7 @@ from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbyt
 from connectors.config import ConnectorConfig
 from connectors.kv_layout import PageLayout, make_layout
 from connectors.metadata import LoadSpec, SaveSpec, StepMetadata, WorkerReport
+from lmcompact.policies import Need
 from lmcompact.store import CompactedChunk, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,9 @@ class WorkerHalf:
         self.facts = facts
         self.vllm_config = vllm_config
         self.store = store
-        self.policy = config.make_policy()
+        self.policy = config.store_policy()  # `none` when chunks are stored whole
+        rotates = self.policy.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
+        self.rope = shim.rope_of(vllm_config) if rotates else None
         self.kept = config.kept_per_chunk(facts.block_size)
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -194,14 +198,7 @@ class WorkerHalf:
             self._report.loaded.add(load.req_id)
         self.stats["loads"] += 1
         self.stats["loaded_chunks"] += len(chunks)
-        c = self.config.chunk_size
-        logger.info(
-            "loaded %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
-            load.req_id,
-            len(chunks) * c,
-            len(chunks) * self.kept,
-            " (compacted)" if self.kept < c else "",
-        )
+        logger.debug("loaded %d chunks for %s", len(chunks), load.req_id)
 
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
@@ -318,7 +315,9 @@ class WorkerHalf:
             index = self.layer_index[name]
             for req_id, rows in self._capture_rows.items():
                 q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
-                self._captured[req_id][index].append(q.detach().to("cpu", copy=True))
+                # stays on the device (no host sync per layer): the GPU pack reads it there,
+                # the save path copies it to the host in _copy_job
+                self._captured[req_id][index].append(q.detach().clone())
         for observer in self.observers:
             observer(name, query, attn_metadata, output)
 
@@ -348,7 +347,7 @@ class WorkerHalf:
         queries = None
         query_positions = None
         if captured and positions and all(captured):
-            queries = [torch.cat(parts).float() for parts in captured]
+            queries = [torch.cat(parts).float().cpu() for parts in captured]
             query_positions = torch.tensor(positions, dtype=torch.int64)
         first_layer = next(iter(self.layers.values()))
         return SaveJob(
@@ -360,6 +359,8 @@ class WorkerHalf:
             queries,
             query_positions,
             shim.attention_scale(first_layer),
+            window=self.config.window,
+            rope=self.rope,
         )
 
     def _run_job(self, job: SaveJob) -> None:

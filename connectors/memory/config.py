@@ -56,6 +56,15 @@ class MemoryConfig:
         per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
             in ``pack`` mode: every head reserves ``ceil(kept_blocks * s)`` blocks, counts
             are clipped to that; None (default) gives every head the same count.
+        reserve_growth: admission without thrash (default True): a waiting request is
+            admitted only when the free blocks, after its own prompt, still cover what every
+            running request will yet allocate up to its ``max_tokens`` (the rest of its
+            prompt, its generation; a planned hole counts as returned once packed), so
+            requests admitted thanks to freed blocks are never preempted for growth
+            (:meth:`connectors.memory.scheduler_side.MemoryScheduler.admits`).
+        warm_up: compile and autotune the GPU pack kernels when the KV caches are
+            registered, for every power-of-two prompt length up to ``max_model_len``, so
+            the first request does not pay for it (default True; CUDA only).
     """
 
     prefill: str = "auto"
@@ -65,6 +74,8 @@ class MemoryConfig:
     sink_blocks: int = 1
     min_prompt_tokens: int = 0
     per_head: Mapping[str, Any] | None = None
+    reserve_growth: bool = True
+    warm_up: bool = True
 
     @classmethod
     def from_extra(cls, options: Mapping[str, Any] | None) -> MemoryConfig:
@@ -101,6 +112,11 @@ class MemoryConfig:
                 f"memory.min_prompt_tokens must be an int >= 0, got {self.min_prompt_tokens!r}"
             )
         self.per_head_slack()  # raises on a bad per_head object
+        for name in ("reserve_growth", "warm_up"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"memory.{name} must be true or false, got {getattr(self, name)!r}"
+                )
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(
                 f"memory.decode_policy must be one of {list(DECODE_POLICIES)}, "

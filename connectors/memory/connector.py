@@ -35,6 +35,7 @@ from connectors import vllm_shim as shim
 from connectors.config import BUDGET_TOLERANCE
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
 from connectors.memory.config import split_extra
+from connectors.memory.device_pack import DevicePacker
 from connectors.memory.heavy_hitters import (
     HeavyHitterScores,
     MergeJob,
@@ -45,8 +46,13 @@ from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_a
 from connectors.memory.planner import HolePlanner, PrefillMode
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
+from lmcompact.kernels import dispatch as kernels
+from lmcompact.policies import Need
 
 logger = logging.getLogger(__name__)
+
+PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
+"""Inputs :func:`connectors.memory.packing.plan_pack` does not compute."""
 
 
 class MemoryMetadata(LMCompactMetadata):
@@ -73,6 +79,8 @@ class MemoryMetadata(LMCompactMetadata):
 class LMCompactMemoryConnector(LMCompactConnector):
     """Compaction connector that gives dropped tokens' blocks back to vLLM."""
 
+    packs_in_place = True
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer = vllm_config.kv_transfer_config
         original = dict(transfer.kv_connector_extra_config or {})
@@ -84,9 +92,27 @@ class LMCompactMemoryConnector(LMCompactConnector):
         finally:
             transfer.kv_connector_extra_config = original
         bs = self.facts.block_size
+        prefill_mode = self.memory.prefill_mode(self.config.policy, self.config.compacts)
+        if (
+            self.config.compacts
+            and self.config.compact_on == "load"
+            and prefill_mode is PrefillMode.OFF
+        ):
+            raise ValueError(
+                "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                "request's prefill: memory.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
+            )
+        unpackable = self.config.make_policy().needs & PACK_UNSUPPORTED
+        if self.config.compacts and prefill_mode is PrefillMode.PACK and unpackable:
+            raise ValueError(
+                f"policy {self.config.policy!r} needs {unpackable}, which the in-place pack "
+                "does not compute (it scores with keys and the window's attention); use it on "
+                "the store path (compact_on 'save', memory.prefill 'off') or pack with "
+                "snapkv, knorm, tova, streaming_llm"
+            )
         self.planner = HolePlanner(
             block_size=bs,
-            prefill_mode=self.memory.prefill_mode(self.config.policy, self.config.compacts),
+            prefill_mode=prefill_mode,
             budget=float(self.config.budget),
             sink_blocks=self.memory.sink_blocks,
             decode_budget_blocks=self.memory.decode_budget_blocks(bs),
@@ -114,7 +140,12 @@ class LMCompactMemoryConnector(LMCompactConnector):
             "tokens": 0,
             "seconds": 0.0,
             "unscored": 0,
+            "device_packs": 0,
         }
+        self.device_packer: DevicePacker | None = None  # worker side, CUDA
+        self.warm_up_s: list[tuple[int, float]] = []
+        # per pack: host seconds of its launches, and CUDA events around its device work
+        self._pack_times: list[tuple[float, Any, Any]] = []
         self._policy = self.config.make_policy()
         if self.scheduler_half is not None:
             self.memory_scheduler = MemoryScheduler(
@@ -123,6 +154,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 self.config.window,
                 capture=not self.config.save,
                 needs_scores=needs_scores(self._policy),
+                reserve_growth=self.memory.reserve_growth,
             )
             # an adopted store-load hole goes back only once the worker wrote the load
             self.memory_scheduler.held_back = self._scheduler().load_unconfirmed
@@ -198,6 +230,39 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.perhead = make_perhead_attention(self._worker())
         if self.planner.decode_recent_blocks is not None:
             self.heavy = make_heavy_hitter_scores(self._worker())
+        self._make_device_packer()
+
+    def _make_device_packer(self) -> None:
+        """Pack on the GPU when the caches are there and the policy has a device scorer;
+        compile and autotune its kernels now (``memory.warm_up``), not at the first request."""
+        worker = self._worker()
+        layers = list(worker.kv_caches.values())
+        if (
+            not layers
+            or self.planner.prefill_mode is not PrefillMode.PACK
+            or self.perhead is not None
+            or worker.layout.name != "token_major"
+            or not kernels.use_kernels(layers[0].device)
+            or not DevicePacker.supports(self._policy)
+        ):
+            return
+        first = next(iter(worker.layers.values()))
+        self.device_packer = DevicePacker(layers, self.facts.block_size, float(first.impl.scale))
+        if self.memory.warm_up:
+            began = time.perf_counter()
+            max_len = int(worker.vllm_config.model_config.max_model_len)
+            self.warm_up_s = self.device_packer.warm_up(
+                self._policy,
+                int(first.impl.num_heads),
+                max(1, self.config.window),
+                max_len,
+                float(self.config.budget),
+            )
+            logger.info(
+                "device pack ready: warm-up of %d lengths took %.1f s",
+                len(self.warm_up_s),
+                time.perf_counter() - began,
+            )
 
     def _refuse_with_sliding_layers(self) -> None:
         """Start-up refusal of what cannot be exact with sliding-window layers.
@@ -247,6 +312,11 @@ class LMCompactMemoryConnector(LMCompactConnector):
         layers = list(worker.kv_caches.values())
         for job in packs:
             began = time.perf_counter()
+            if self.device_packer is not None and (
+                windows[job.req_id] is not None or not needs_scores(self._policy)
+            ):
+                self._device_pack(job, windows[job.req_id], began)
+                continue
             if windows[job.req_id] is None and needs_scores(self._policy):
                 # the policy then falls back to its score-free choice: count it, never hide it
                 self.pack_stats["unscored"] += 1
@@ -281,6 +351,50 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 job.num_tokens,
                 self.config.policy,
             )
+            self._pack_times.append((time.perf_counter() - began, None, None))
+            logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
+
+    def _device_pack(self, job: PackJob, window: WindowQueries | None, began: float) -> None:
+        """One pack on the GPU, timed by CUDA events (read later, no sync here)."""
+        assert self.device_packer is not None
+        worker = self._worker()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        queries = None
+        if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
+            queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
+        self.device_packer.pack(
+            job.block_ids,
+            job.num_tokens,
+            job.kept,
+            self._policy,
+            queries,
+            None if window is None else window.positions,
+        )
+        end.record()
+        worker._captured.pop(job.req_id, None)
+        worker._captured_pos.pop(job.req_id, None)
+        host = time.perf_counter() - began
+        self.pack_stats["packs"] += 1
+        self.pack_stats["device_packs"] += 1
+        self.pack_stats["tokens"] += job.num_tokens
+        self.pack_stats["seconds"] += host
+        self._pack_times.append((host, start, end))
+
+    def pack_timings(self) -> dict[str, list[float]]:
+        """Milliseconds per pack so far, in order: ``host`` (launching, or the whole
+        reference pack on the CPU) and ``device`` (GPU time between the pack's CUDA events;
+        waits for them). A benchmark reads this once its requests are done."""
+        host = [1e3 * h for h, _, _ in self._pack_times]
+        device = []
+        for h, start, end in self._pack_times:
+            if start is None:
+                device.append(1e3 * h)
+            else:
+                end.synchronize()
+                device.append(float(start.elapsed_time(end)))
+        return {"host": host, "device": device}
 
     def _window(self, req_id: str) -> WindowQueries | None:
         worker = self._worker()
@@ -290,7 +404,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
             return None
         first = next(iter(worker.layers.values()))
         return WindowQueries(
-            per_layer=[torch.cat(parts).float() for parts in captured],
+            per_layer=[parts[0] if len(parts) == 1 else torch.cat(parts) for parts in captured],
             positions=torch.tensor(positions, dtype=torch.int64),
             scale=float(first.impl.scale),
         )

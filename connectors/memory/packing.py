@@ -80,8 +80,8 @@ def plan_pack(
     num_tokens = per_layer[0][0].shape[1]
     observations = []
     for index, (keys, values) in enumerate(per_layer):
-        # window queries were copied to the host at capture; score where the keys are
-        queries = None if window is None else window.per_layer[index].to(keys.device)
+        # window queries stay where they were captured; score where the keys are
+        queries = None if window is None else window.per_layer[index].to(keys.device, torch.float32)
         mass, rows = observe_layer(
             keys,
             values,

@@ -22,6 +22,23 @@ A block released in schedule ``t+1`` can be handed to another request in that sc
 and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
 so the pack in ``t`` has read it before anyone writes it.
 
+Admission without thrash (``reserve_growth``): vLLM admits a waiting request when its
+next chunk fits in the free blocks; blocks freed by holes make room for more requests than
+the pool can carry once their generations grow, and vLLM then preempts (and recomputes,
+and re-packs) running requests. The wrapped ``allocate_slots`` therefore refuses a request
+that holds no block yet (an admission; vLLM keeps it waiting) unless::
+
+    free_blocks - need(new) >= sum over running r of pending(r)
+
+    need(new)  = max(cdiv(P, bs), cdiv(P + M, bs) - hole(P))    its peak holding
+    pending(r) = max(prompt blocks r still has to allocate,
+                     cdiv(P + M, bs) - len(row(r)) - hole still to come back)
+
+with P the prompt, M ``max_tokens`` and ``hole(P)`` the blocks a prompt of P tokens gives
+back at prefill end (0 when it is not compacted). A request admitted under this rule always
+finds its growth in the pool, so only requests that vLLM would have preempted anyway (none
+here when nothing else allocates) are. When no request is running, nothing is refused.
+
 H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
 tokens are still needed; the :class:`connectors.memory.heavy_hitters.MergeJob` (with the
 block's physical id, taken before the release) goes into step ``t``'s metadata and the
@@ -75,6 +92,9 @@ class MemoryStats:
     blocks_released: int = 0
     blocks_kept_shared: int = 0
     holes_adopted: int = 0
+    repacks: int = 0
+    preemptions: int = 0
+    admissions_deferred: int = 0
     peak_held: dict[str, int] = field(default_factory=dict)
 
 
@@ -91,7 +111,13 @@ class MemoryScheduler:
     """
 
     def __init__(
-        self, planner: HolePlanner, block_size: int, window: int, capture: bool, needs_scores: bool
+        self,
+        planner: HolePlanner,
+        block_size: int,
+        window: int,
+        capture: bool,
+        needs_scores: bool,
+        reserve_growth: bool = True,
     ) -> None:
         self.planner = planner
         self.block_size = block_size
@@ -103,6 +129,12 @@ class MemoryScheduler:
         self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
+        self.reserve_growth = reserve_growth
+        self.packed: set[str] = set()  # requests packed at least once (re-pack counting)
+        # per request: hole blocks below this logical index were already released, and how
+        # many blocks went back (each step then touches only what is new, not whole rows)
+        self._released_to: dict[str, int] = {}
+        self._freed: dict[str, int] = {}
         self.stats = MemoryStats()
         self.held_back: Callable[[str], bool] = lambda req_id: False
 
@@ -119,6 +151,8 @@ class MemoryScheduler:
 
         @wraps(allocate)
         def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.admits(request):
+                return None  # vLLM keeps the request waiting, as when the pool is full
             self.before_allocate(request)
             return allocate(request, *args, **kwargs)
 
@@ -147,6 +181,61 @@ class MemoryScheduler:
             )
         return self.ledger
 
+    # ------------------------------------------------------------------ admission
+    def _hole_blocks(self, prompt_len: int) -> int:
+        """Blocks a fresh prompt of ``prompt_len`` tokens gives back at prefill end."""
+        nb = prompt_len // self.block_size
+        if self.planner.prefill_mode.value == "off" or nb < self.planner.min_prompt_blocks:
+            return 0
+        kb = self.planner.kept_blocks(nb)
+        if kb >= nb:
+            return 0
+        if self.planner.prefill_mode.value == "pack":
+            return nb - self.planner.reserved_blocks(kb, nb)
+        return nb - kb
+
+    def _final_blocks(self, request: Any) -> int | None:
+        """Logical blocks the request will have once it generated ``max_tokens``."""
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None:
+            return None
+        total = int(request.num_prompt_tokens) + int(max_tokens)
+        return -(-total // self.block_size)
+
+    def pending_blocks(self, request: Any) -> int:
+        """Blocks a running request may still take from the pool (see module doc)."""
+        final = self._final_blocks(request)
+        row = self._ledger().blocks(request.request_id)
+        if final is None:
+            return 0
+        prompt_len = int(request.num_prompt_tokens)
+        remaining = final - len(row)
+        if request.request_id in self.planner.holes:  # packed or hole planned: it came back
+            return max(0, remaining)
+        prompt_rest = -(-prompt_len // self.block_size) - len(row)
+        return max(0, prompt_rest, remaining - self._hole_blocks(prompt_len))
+
+    def admits(self, request: Any) -> bool:
+        """Whether a request may get blocks now (always, unless it is a new admission that
+        would eat the growth reserved for running requests)."""
+        if not self.reserve_growth or self.ledger is None:
+            return True
+        ledger = self.ledger
+        if ledger.blocks(request.request_id):
+            return True  # already running: its growth was reserved
+        running = [r for rid, r in self.live.items() if rid != request.request_id]
+        if not running:
+            return True
+        final = self._final_blocks(request)
+        prompt_len = int(request.num_prompt_tokens)
+        full = -(-prompt_len // self.block_size)
+        need = full if final is None else max(full, final - self._hole_blocks(prompt_len))
+        reserve = sum(self.pending_blocks(r) for r in running)
+        if ledger.num_free() - need >= reserve:
+            return True
+        self.stats.admissions_deferred += 1
+        return False
+
     # ------------------------------------------------------------------ hooks
     def before_allocate(self, request: Any) -> None:
         """A request is about to get blocks this step: release and grow its hole."""
@@ -161,7 +250,6 @@ class MemoryScheduler:
         )
         before = self.planner.holes.get(req_id)
         old_stop = None if before is None else before.stop
-        ids = [block.block_id for block in row]  # the merged blocks' ids, before release
         grown = self.planner.grow_for_decode(
             req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
         )
@@ -170,6 +258,7 @@ class MemoryScheduler:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
             if hole.start > self.planner.sink_blocks:
+                ids = [block.block_id for block in row]  # the merged blocks, before release
                 self.merges.append(
                     MergeJob(
                         req_id,
@@ -183,6 +272,8 @@ class MemoryScheduler:
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
         self.live.pop(req_id, None)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
 
@@ -190,6 +281,8 @@ class MemoryScheduler:
         """A store load was refused by the worker: vLLM recomputes the request into the
         blocks it still holds, so its adopted hole is dropped, not released."""
         self.planner.forget(req_id)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
 
     def take_merges(self) -> list[MergeJob]:
         """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
@@ -214,7 +307,13 @@ class MemoryScheduler:
                 f"request {req_id!r}: block 0 is {row[0].block_id if row else None}, its hole "
                 f"was planned on block {hole.first_block}; a preemption was not seen"
             )
-        released = ledger.release(req_id, hole.start, min(hole.stop, len(row)))
+        lo = max(hole.start, self._released_to.get(req_id, hole.start))
+        hi = min(hole.stop, len(row))
+        if lo >= hi:
+            return
+        released = ledger.release(req_id, lo, hi)
+        self._released_to[req_id] = hi
+        self._freed[req_id] = self._freed.get(req_id, 0) + len(released.freed)
         self.stats.blocks_released += len(released.freed)
         self.stats.blocks_kept_shared += len(released.kept)
 
@@ -228,17 +327,20 @@ class MemoryScheduler:
         packs: list[PackJob] = []
         step = self.step
         self.scored = {}
+        self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
+        self.packed -= shim.finished_req_ids(scheduler_output)
         for sched in shim.scheduled_requests(scheduler_output):
             request = self.live.get(sched.req_id)
-            row = ledger.block_ids(sched.req_id)
-            if request is None or not row:
+            blocks = ledger.blocks(sched.req_id)
+            if request is None or not blocks:
                 continue
+            first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = meta.holes.get(row[0])
+            foreign = meta.holes.get(first)
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
                     sched.req_id,
-                    row[0],
+                    first,
                     foreign.start_block,
                     foreign.num_blocks,
                     step,
@@ -247,16 +349,20 @@ class MemoryScheduler:
                 self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
             if self.planner.decode_recent_blocks is not None and lo >= prompt_len:
-                self.scored[row[0]] = sched.req_id  # H2O: accumulate its decode attention
+                self.scored[first] = sched.req_id  # H2O: accumulate its decode attention
             if self.capture:
-                self._plan_capture(sched.req_id, row, prompt_len, lo, hi, meta)
+                self._plan_capture(sched.req_id, blocks, prompt_len, lo, hi, meta)
             if lo < prompt_len <= hi:
-                pack = self.planner.prefill_end(sched.req_id, prompt_len, row[0], step)
+                pack = self.planner.prefill_end(sched.req_id, prompt_len, first, step)
                 if pack is not None:
+                    row = [block.block_id for block in blocks]
                     packs.append(
                         PackJob(sched.req_id, row, pack.num_tokens, pack.kept, pack.reserved)
                     )
                     self.stats.packs += 1
+                    if sched.req_id in self.packed:
+                        self.stats.repacks += 1  # recomputed after a preemption
+                    self.packed.add(sched.req_id)
         for req_id in list(self.planner.holes):
             if req_id not in self.live:
                 continue
@@ -266,14 +372,14 @@ class MemoryScheduler:
                 meta.holes[hole.first_block] = Hole(
                     hole.first_block, hole.start, hole.length, hole.window_lead
                 )
-            held = ledger.held(req_id)
+            held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
             if held > self.stats.peak_held.get(req_id, 0):
                 self.stats.peak_held[req_id] = held
         self.step += 1
         return packs
 
     def _plan_capture(
-        self, req_id: str, row: list[int], prompt_len: int, lo: int, hi: int, meta: StepMetadata
+        self, req_id: str, row: list[Any], prompt_len: int, lo: int, hi: int, meta: StepMetadata
     ) -> None:
         bs = self.block_size
         window_lo = max(prompt_len - self.window, lo)
@@ -281,7 +387,7 @@ class MemoryScheduler:
         if window_lo >= window_hi:
             return
         positions = list(range(window_lo, window_hi))
-        slots = [row[p // bs] * bs + p % bs for p in positions]
+        slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
         meta.captures.append(CaptureSpec(req_id, slots, positions))
 
 

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from lmcompact.attention.rope import Rope
+
 
 def _check_shapes(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int, int]:
     if queries.dim() != 4 or keys.dim() != 4:
@@ -210,3 +212,79 @@ def cumulative_scores(
         weights = logits.sum(dim=-1).reciprocal_().unsqueeze(-2)  # (B, Hkv, 1, G*n)
         total[:, :, :visible] += torch.matmul(weights, logits).squeeze(-2) / group
     return total
+
+
+def context_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    *,
+    scale: float | None = None,
+    query_chunk: int = 128,
+    shift: int | None = None,
+    rope: Rope | None = None,
+) -> torch.Tensor:
+    """Per key, the largest softmax attention weight any of the given queries gives it.
+
+    Each query sees the keys at positions ``<= its own`` (causal) and its row is
+    normalized over exactly those keys, as in the model's own attention. With ``shift``
+    the queries are first moved ``shift`` positions later with ``rope`` (post-RoPE
+    vectors: ``R(p + shift) = R(shift) R(p)``) and see every key, as the same tokens
+    would if they were repeated after the context (KVzip's reconstruction pass). The score
+    of key ``j`` is the maximum of its weight over the queries and over the query
+    heads of its KV group (KVzip's aggregation). Queries go in blocks of
+    ``query_chunk`` against the keys the block can see, so the extra memory is
+    ``Hq x query_chunk x T`` floats, never ``S x T`` or ``T x T``::
+
+        queries (B, Hq, S, D), positions (S,)   block of n queries at positions p
+        keys    (B, Hkv, T, D)                  w = softmax(q k^T * scale) over keys <= p
+                                                score[j] = max(score[j], max_{g, q} w[g, q, j])
+
+    Args:
+        queries: ``(B, Hq, S, D)`` post-RoPE queries (any subset of the prompt's).
+        keys: ``(B, Hkv, T, D)`` post-RoPE keys; key ``j`` sits at position ``j``.
+        query_positions: ``(S,)`` positions of the queries in ``[0, T)``.
+        scale: Softmax scale (default ``1 / sqrt(D)``).
+        query_chunk: Queries per block.
+        shift: Move the queries this many positions later and drop the causal mask.
+        rope: The model's RoPE (needed with ``shift``).
+
+    Returns:
+        ``(B, Hkv, T)`` float32 scores in ``[0, 1]``; keys no query sees score 0.
+    """
+    hkv, group = _check_shapes(queries, keys)
+    b, _hq, s, d = queries.shape
+    t = keys.shape[2]
+    if query_positions.shape != (s,):
+        raise ValueError(
+            f"query_positions must have shape ({s},) to match the queries, got "
+            f"{tuple(query_positions.shape)}"
+        )
+    if query_chunk <= 0:
+        raise ValueError(f"query_chunk must be > 0, got {query_chunk}")
+    positions = query_positions.to(queries.device, torch.int64)
+    if s and (int(positions.min()) < 0 or int(positions.max()) >= t):
+        raise ValueError(f"query positions must lie in [0, {t}) (the keys), got out-of-range ones")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    causal = shift is None
+    if shift is not None:
+        if rope is None:
+            raise ValueError("context_scores with shift= needs rope= to move the queries")
+        queries = rope.rotate(queries.float(), torch.full((s,), float(shift)))
+    order = torch.argsort(positions)
+    positions = positions[order]
+    q_all = queries.float()[:, :, order].reshape(b, hkv, group, s, d) * scale
+    best = torch.zeros(b, hkv, t, device=queries.device)
+    for start in range(0, s, query_chunk):
+        pos = positions[start : start + query_chunk]
+        visible = int(pos.max()) + 1 if causal else t
+        q = q_all[:, :, :, start : start + query_chunk]
+        k = keys[:, :, :visible].float()
+        logits = torch.einsum("bhgnd,bhtd->bhgnt", q, k)
+        if causal:
+            hidden = torch.arange(visible, device=queries.device).view(1, -1) > pos.view(-1, 1)
+            logits.masked_fill_(hidden, float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        top = weights.amax(dim=(2, 3))  # (B, Hkv, visible)
+        torch.maximum(best[:, :, :visible], top, out=best[:, :, :visible])
+    return best

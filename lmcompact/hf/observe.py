@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from lmcompact.attention.scores import cumulative_scores, window_scores
+from lmcompact.attention.rope import Rope
+from lmcompact.attention.scores import context_scores, cumulative_scores, window_scores
 from lmcompact.layout.ragged import RaggedLayer
 from lmcompact.policies.base import Need
 
@@ -34,11 +35,16 @@ class PrefillObservation:
         window_scores: ``(B, Hkv, T)`` window mass, or None.
         window_attention: ``(B, Hkv, W, T)`` per-query window rows, or None.
         cumulative_scores: ``(B, Hkv, T)`` mass over every prompt query, or None.
+        context_scores: ``(B, Hkv, T)`` max softmax weight over the sampled prompt
+            queries (KVzip-style), or None.
+        window_queries: ``(B, Hq, W, D)`` post-RoPE window queries, or None.
     """
 
     window_scores: torch.Tensor | None = None
     window_attention: torch.Tensor | None = None
     cumulative_scores: torch.Tensor | None = None
+    context_scores: torch.Tensor | None = None
+    window_queries: torch.Tensor | None = None
 
 
 def observe_prefill(
@@ -48,6 +54,9 @@ def observe_prefill(
     window: int,
     scale: float,
     timings: dict[str, float] | None = None,
+    context_positions: torch.Tensor | None = None,
+    context_shift: int | None = None,
+    rope: Rope | None = None,
 ) -> PrefillObservation:
     """Scores a policy asked for, from one layer's prefill queries and keys.
 
@@ -57,8 +66,14 @@ def observe_prefill(
         needs: The policy's needs; only these are computed.
         window: Observation window length ``W`` (clipped to ``T``).
         scale: Softmax scale of the model's attention.
-        timings: If given, ``observe_window_s``, ``observe_cumulative_s`` and
-            ``observe_s`` are incremented by the seconds spent.
+        timings: If given, ``observe_window_s``, ``observe_cumulative_s``,
+            ``observe_context_s`` and ``observe_s`` are incremented by the seconds spent.
+        context_positions: ``(S,)`` positions of the prompt queries that make the
+            context scores (the policy's ``context_queries``), when ``needs`` has
+            ``CONTEXT_SCORES``: the same sample the vLLM connector captures.
+        context_shift: The policy's ``context_shift`` (used when ``rope`` is known,
+            else the context scores are causal, as in the connector).
+        rope: The model's RoPE, or None.
     """
     timings = timings if timings is not None else {}
     obs = PrefillObservation()
@@ -72,13 +87,29 @@ def observe_prefill(
         )
         obs.window_scores = mass
         obs.window_attention = rows
+    if Need.WINDOW_QUERIES in needs:
+        obs.window_queries = queries[:, :, t - max(1, min(window, t)) :]
     middle = time.perf_counter()
     if Need.CUMULATIVE_SCORES in needs:
         obs.cumulative_scores = cumulative_scores(queries, keys, scale=scale)
+    after_cumulative = time.perf_counter()
+    if Need.CONTEXT_SCORES in needs:
+        if context_positions is None:
+            raise ValueError("CONTEXT_SCORES needs context_positions (the policy's sample)")
+        positions = context_positions.to(queries.device)
+        obs.context_scores = context_scores(
+            queries[:, :, positions],
+            keys,
+            positions,
+            scale=scale,
+            shift=context_shift if rope is not None else None,
+            rope=rope,
+        )
     end = time.perf_counter()
     for name, seconds in (
         ("observe_window_s", middle - start),
-        ("observe_cumulative_s", end - middle),
+        ("observe_cumulative_s", after_cumulative - middle),
+        ("observe_context_s", end - after_cumulative),
         ("observe_s", end - start),
     ):
         timings[name] = timings.get(name, 0.0) + seconds
@@ -111,6 +142,21 @@ def flat_scores_for(
     return cumulative.reshape(b * h, t)[
         segs.to(cumulative.device), toks.to(cumulative.device)
     ].float()
+
+
+def rope_from_model(model: Any) -> Rope | None:
+    """The model's RoPE from its rotary module (``inv_freq``, HF neox layout), or None.
+
+    None when the model has no single rotary module with ``inv_freq`` (Gemma-3 keeps one
+    per layer type) or when it scales cos / sin (``attention_scaling != 1``, YaRN)."""
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
+        return None
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return None
+    return Rope(inv_freq=inv_freq.detach().float().cpu(), neox=True)
 
 
 class TokenClassifier:

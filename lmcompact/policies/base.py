@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lmcompact.attention.rope import Rope
 from lmcompact.plan import KeepPlan
 
 
@@ -35,6 +36,12 @@ class Need(enum.Flag):
     """Attention mass accumulated over all queries so far ``(kv_heads, T)``."""
     TOKEN_CLASSES = enum.auto()
     """Per-token special / punctuation masks ``(T,)``."""
+    CONTEXT_SCORES = enum.auto()
+    """Per key, the max softmax weight over sampled prompt queries ``(kv_heads, T)``
+    (the queries at :meth:`CompactionPolicy.context_queries`, causal)."""
+    WINDOW_QUERIES = enum.auto()
+    """The observation window's post-RoPE queries ``(q_heads, W, head_dim)`` and their
+    positions (``CompactionInputs.query_positions``)."""
 
 
 class Phase(enum.Flag):
@@ -120,6 +127,11 @@ class LayerObservation:
         window_attention: ``(H, W, T)`` per-query window attention rows, or None.
         cumulative_scores: ``(H, T)`` attention mass accumulated over every
             query seen so far (H2O), or None.
+        context_scores: ``(H, T)`` per key, the largest softmax weight it gets from
+            the sampled prompt queries (:func:`lmcompact.attention.scores.context_scores`),
+            or None.
+        window_queries: ``(Hq, W, head_dim)`` post-RoPE window queries (``Hq`` a
+            multiple of ``H``), or None; positions in ``CompactionInputs.query_positions``.
     """
 
     keys: torch.Tensor | None = None
@@ -127,6 +139,8 @@ class LayerObservation:
     window_scores: torch.Tensor | None = None
     window_attention: torch.Tensor | None = None
     cumulative_scores: torch.Tensor | None = None
+    context_scores: torch.Tensor | None = None
+    window_queries: torch.Tensor | None = None
 
 
 @dataclass
@@ -144,6 +158,11 @@ class CompactionInputs:
         punctuation_mask: ``(T,)`` bool, candidate is punctuation.
         budget_tokens: Optional override of the policy's budget in tokens
             (decode-time callers keep a fixed count).
+        query_positions: ``(W,)`` absolute positions of the window queries (with
+            ``window_queries``); the future starts after the largest.
+        rope: The model's rotary embedding, when the integration knows it (Expected
+            Attention rotates query statistics to future positions with it).
+        attention_scale: The model's softmax scale; None means ``1 / sqrt(head_dim)``.
     """
 
     num_candidates: int
@@ -154,6 +173,9 @@ class CompactionInputs:
     special_mask: torch.Tensor | None = None
     punctuation_mask: torch.Tensor | None = None
     budget_tokens: int | None = None
+    query_positions: torch.Tensor | None = None
+    rope: Rope | None = None
+    attention_scale: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -182,6 +204,7 @@ _LAYER_RANKS = {
     "window_scores": 2,
     "window_attention": 3,
     "cumulative_scores": 2,
+    "context_scores": 2,
 }
 
 
@@ -201,6 +224,7 @@ def _check_layer_tensor(
         "window_scores": "(kv_heads, T)",
         "window_attention": "(kv_heads, W, T)",
         "cumulative_scores": "(kv_heads, T)",
+        "context_scores": "(kv_heads, T)",
     }[attribute]
     if (
         value.dim() != rank
@@ -211,6 +235,31 @@ def _check_layer_tensor(
             f"policy {policy!r}: layer {index} {attribute} has shape {tuple(value.shape)}; "
             f"expected {expected} with kv_heads={inputs.num_kv_heads} and "
             f"T={inputs.num_candidates} (the keys and scores of a layer must agree)"
+        )
+
+
+def _check_window_queries(
+    policy: str, inputs: CompactionInputs, index: int, layer: LayerObservation
+) -> None:
+    queries = layer.window_queries
+    assert queries is not None
+    h = inputs.num_kv_heads
+    if queries.dim() != 3 or queries.shape[0] % h or queries.shape[0] == 0:
+        raise ValueError(
+            f"policy {policy!r}: layer {index} window_queries has shape {tuple(queries.shape)}; "
+            f"expected (q_heads, W, head_dim) with q_heads a multiple of kv_heads={h}"
+        )
+    if layer.keys is not None and queries.shape[-1] != layer.keys.shape[-1]:
+        raise ValueError(
+            f"policy {policy!r}: layer {index} window_queries head_dim {queries.shape[-1]} "
+            f"differs from the keys' {layer.keys.shape[-1]}"
+        )
+    positions = inputs.query_positions
+    if positions is None or tuple(positions.shape) != (queries.shape[1],):
+        got = None if positions is None else tuple(positions.shape)
+        raise ValueError(
+            f"policy {policy!r}: window_queries of layer {index} need query_positions of shape "
+            f"({queries.shape[1]},), got {got}"
         )
 
 
@@ -245,6 +294,8 @@ def check_structure(policy: str, inputs: CompactionInputs) -> None:
             value = getattr(layer, attribute)
             if value is not None:
                 _check_layer_tensor(policy, inputs, index, attribute, value)
+        if layer.window_queries is not None:
+            _check_window_queries(policy, inputs, index, layer)
         if (
             layer.keys is not None
             and layer.values is not None
@@ -291,6 +342,19 @@ class CompactionPolicy(ABC):
             return min(inputs.budget_tokens, length)
         return self.budget.resolve(length)
 
+    def context_queries(self, length: int) -> torch.Tensor | None:
+        """``(S,)`` sorted positions of the prompt queries whose attention makes
+        ``context_scores`` for a prompt of ``length`` tokens; None when the policy does
+        not read them (every integration asks the policy, so all score alike)."""
+        return None
+
+    def context_shift(self, length: int) -> int | None:
+        """Positions by which the integration moves the ``context_queries`` (RoPE) before
+        scoring, letting each see every key (a repeat of the context after it); None
+        scores them where they are, causally. Without RoPE facts integrations score
+        causally."""
+        return None
+
     def check_inputs(self, inputs: CompactionInputs) -> None:
         """Validate ``inputs`` against what this policy needs; ValueError says what is wrong.
 
@@ -306,6 +370,8 @@ class CompactionPolicy(ABC):
             (Need.WINDOW_SCORES, "window_scores"),
             (Need.WINDOW_ATTENTION, "window_attention"),
             (Need.CUMULATIVE_SCORES, "cumulative_scores"),
+            (Need.CONTEXT_SCORES, "context_scores"),
+            (Need.WINDOW_QUERIES, "window_queries"),
         ]
         for flag, attribute in wanted:
             if flag in needs:
@@ -328,7 +394,10 @@ class CompactionPolicy(ABC):
                     f"policy {self.name!r} needs {attribute} but layer {index} has none; "
                     f"this policy reads: {', '.join(need_names(self.needs)) or 'nothing'}"
                 )
-            _check_layer_tensor(self.name, inputs, index, attribute, value)
+            if attribute == "window_queries":
+                _check_window_queries(self.name, inputs, index, layer)
+            else:
+                _check_layer_tensor(self.name, inputs, index, attribute, value)
             tensors.append(value)
         return tensors
 

@@ -35,6 +35,8 @@ _BUILTIN: dict[str, str] = {
     "knorm": "lmcompact.policies.knorm:KNorm",
     "fastgen": "lmcompact.policies.fastgen:FastGen",
     "duoattention": "lmcompact.policies.duoattention:DuoAttention",
+    "kvzip": "lmcompact.policies.kvzip:KVzip",
+    "expected_attention": "lmcompact.policies.expected_attention:ExpectedAttention",
 }
 
 _registered: dict[str, type[CompactionPolicy]] = {}

@@ -274,3 +274,22 @@ def unpack_views(
     keys = buffer[a:b].view(dtype).view(total_kept, k_dim)
     values = buffer[b:c].view(dtype).view(total_kept, v_dim)
     return positions, keys, values
+
+
+def packed_span(chunk: CompactedChunk) -> torch.Tensor | None:
+    """The chunk's payload as one uint8 tensor when it already lies packed in one buffer
+    (``positions | keys | values`` back to back, as the tiers store it), else None.
+
+    Returns:
+        A ``(chunk.payload_nbytes,)`` uint8 view of the chunk's memory (no copy).
+    """
+    p, k, v = chunk.positions, chunk.keys, chunk.values
+    if not (p.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    base = p.untyped_storage().data_ptr()
+    if k.untyped_storage().data_ptr() != base or v.untyped_storage().data_ptr() != base:
+        return None
+    if p.data_ptr() + p.nbytes != k.data_ptr() or k.data_ptr() + k.nbytes != v.data_ptr():
+        return None
+    first = p.view(torch.uint8)
+    return first.as_strided((chunk.payload_nbytes,), (1,), first.storage_offset())

@@ -11,46 +11,72 @@
                     values (total_kept, v_dim)
     end             payload_off + header["plen"]
 
-Header fields: ``v`` format version, ``ns`` namespace digest (16 bytes), ``dt`` dtype name,
-``nt`` tokens in the chunk, ``L``/``H`` layers and kv heads, ``dk``/``dv`` head dims, ``n``
-total kept rows, ``kc`` kept counts (int32 LE bytes, ``L*H``), ``plen`` payload bytes,
-``ca``/``ck`` checksum algorithm and digest. The checksum covers the payload AND the header
+Header fields: ``v`` value format version (:data:`VALUE_VERSION`), ``ns`` namespace digest
+(16 bytes), ``dt`` dtype name, ``nt`` tokens in the chunk, ``L``/``H`` layers and kv heads,
+``dk``/``dv`` head dims, ``n`` total kept rows, ``kc`` kept counts (int32 LE bytes, ``L*H``),
+``plen`` payload bytes, ``ck`` checksum digest. The checksum covers the payload AND the header
 fields above (in a canonical byte form), so a flipped kept count cannot pass either.
 
+Zero copy: :meth:`ChunkCodec.encode` returns an :class:`EncodedValue`, the small frame head
+followed by views of the chunk's own tensors (nothing is joined); the Redis tier writes
+those buffers one after another into a single bulk string. :meth:`ChunkCodec.decode` checks
+the bytes it is given in place and returns tensors that are views of them.
+
+What each hash protects (the cryptographic ones only where a collision could be chosen):
+
+* ``ck``, xxHash's xxh3-128 (non-cryptographic, tens of GB/s): accidental damage of a value,
+  i.e. bit flips, truncation, a torn or mixed write, bytes of another chunk under this
+  header. It does not defend against someone who can write to the store: whoever can write
+  a value can write a matching digest of any unkeyed hash, so a cryptographic one here
+  would cost ~50x the time for no protection.
+* chunk keys (:mod:`lmcompact.store.keys`), blake2b-256 prefix-chained over token ids: a
+  collision there would serve one prompt's KV for another prompt, and prompts are chosen by
+  users, who could search for collisions of a fast non-cryptographic hash; cryptographic.
+* the namespace digest (:meth:`StoreNamespace.digest`), blake2b-128 of the engine's
+  canonical config, computed once: a value of another model, dtype, layout or policy is
+  never read as this engine's (cryptographic for the same reason as the keys: it feeds them).
+
 A value is written with one Redis ``SET`` and decoded only after every check passed, so a
-partial write or a damaged value is refused (:class:`CorruptEntryError`), never returned.
+partial write, a damaged value or a value of an older format is refused
+(:class:`CorruptEntryError`; the caller recomputes), never returned.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import threading
 import warnings
-import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
+import xxhash
 
 from lmcompact.store.chunk import (
     SUPPORTED_DTYPES,
     CompactedChunk,
     dtype_name,
     packed_nbytes,
-    unpack_views,
+    packed_span,
 )
-from lmcompact.store.keys import FORMAT_VERSION, StoreNamespace
+from lmcompact.store.keys import StoreNamespace
 
 MAGIC = b"LMCK"
 MAX_HEADER_BYTES = 1 << 20
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 16
 
-CHECKSUMS = ("crc32", "blake2b")
-"""crc32 (zlib, ~4x faster here) guards against accidental damage; blake2b is cryptographic."""
+VALUE_VERSION = 2
+"""Version of the value layout. 1 (crc32 / blake2b checksums) is refused; 2: xxh3-128.
+Independent of the key derivation's :data:`lmcompact.store.keys.FORMAT_VERSION`: a value of
+another version found under a valid key is refused, so the chunk is recomputed and
+overwritten."""
+
+CHECKSUM_BYTES = 16
+_COUNTS_CACHE = 256  # distinct kept-count layouts remembered by a codec
 
 # Decoded tensors are views of the (immutable) value bytes; torch warns once about that.
 warnings.filterwarnings(
@@ -59,6 +85,34 @@ warnings.filterwarnings(
     category=UserWarning,
     module=r"(.*[\\/])?lmcompact[\\/.]store[\\/.]codec",
 )
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class EncodedValue:
+    """One encoded value as consecutive buffers, never joined by the codec.
+
+    Attributes:
+        parts: the frame head (magic, header length, header, padding) as bytes, then the
+            payload ``positions | keys | values`` as memoryviews of the chunk's tensors:
+            one view when the chunk lies packed in one buffer, else one per section (of a
+            host copy when the chunk lives on a device).
+        nbytes: total length, ``sum(len(p) for p in parts)``.
+
+    The views alias the chunk: the chunk must not change until the value was written.
+    """
+
+    parts: tuple[Buffer, ...]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def tobytes(self) -> bytes:
+        """The value as one ``bytes`` object (one copy; for tests and tools)."""
+        return b"".join(self.parts)
 
 
 class CorruptEntryError(ValueError):
@@ -114,28 +168,31 @@ REJECT_REASONS = tuple(
 )
 
 
-def _checksum(alg: str, meta: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
-    if alg == "crc32":
-        crc = zlib.crc32(meta)
-        for p in parts:
-            crc = zlib.crc32(p, crc)
-        return crc.to_bytes(4, "little")
-    h = hashlib.blake2b(meta, digest_size=16)
+def _checksum(meta: bytes, parts: Sequence[Buffer]) -> bytes:
+    h = xxhash.xxh3_128(meta)
     for p in parts:
         h.update(p)
     return h.digest()
 
 
+_META = struct.Struct("<Q16s16s7Q")
+
+
 def _meta(h: dict[str, Any]) -> bytes:
-    fields = (h["v"], h["ns"].hex(), h["dt"], h["nt"], h["L"], h["H"], h["dk"], h["dv"], h["n"])
-    return "|".join(map(str, (*fields, h["plen"]))).encode() + h["kc"]
+    """Canonical bytes of the header fields the checksum covers (all validated before)."""
+    fields = (h["nt"], h["L"], h["H"], h["dk"], h["dv"], h["n"], h["plen"])
+    return _META.pack(h["v"], h["ns"], h["dt"].encode(), *fields) + h["kc"]
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
+    """The bytes of ``t`` without a copy when it is a contiguous CPU tensor (else one copy)."""
+    if not t.is_cpu:
+        t = t.detach().cpu()
+    elif t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(torch.uint8).numpy().data
 
 
 class ChunkCodec:
@@ -143,23 +200,25 @@ class ChunkCodec:
 
     Args:
         namespace: this engine's namespace; values of any other are refused.
-        checksum: ``"crc32"`` or ``"blake2b"`` for encoding (decoding accepts both).
     """
 
-    def __init__(self, namespace: StoreNamespace, checksum: str = "crc32") -> None:
-        if checksum not in CHECKSUMS:
-            raise ValueError(f"checksum must be one of {CHECKSUMS}, got {checksum!r}")
+    def __init__(self, namespace: StoreNamespace) -> None:
         self.namespace = namespace
-        self.checksum = checksum
         self._ns = namespace.digest()
         self._lock = threading.Lock()
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._counts: dict[tuple[bytes, int, int, int, int], torch.Tensor] = {}
 
-    def encode(self, chunk: CompactedChunk) -> bytes:
-        """Serialise ``chunk`` (any device) into one self-checking value."""
-        parts = [_byte_view(chunk.positions), _byte_view(chunk.keys), _byte_view(chunk.values)]
+    def encode(self, chunk: CompactedChunk) -> EncodedValue:
+        """Frame ``chunk`` (any device) as one self-checking value, without copying its
+        payload (a device chunk is copied to the host once)."""
+        span = packed_span(chunk) if chunk.device.type == "cpu" else None
+        if span is not None:  # packed in one buffer (as the memory tiers hold chunks)
+            parts: tuple[memoryview, ...] = (_byte_view(span),)
+        else:
+            parts = (_byte_view(chunk.positions), _byte_view(chunk.keys), _byte_view(chunk.values))
         header: dict[str, Any] = {
-            "v": FORMAT_VERSION,
+            "v": VALUE_VERSION,
             "ns": self._ns,
             "dt": dtype_name(chunk.dtype),
             "nt": chunk.num_tokens,
@@ -168,16 +227,16 @@ class ChunkCodec:
             "dk": int(chunk.keys.shape[1]),
             "dv": int(chunk.values.shape[1]),
             "n": chunk.total_kept,
-            "kc": chunk.kept_counts.contiguous().numpy().astype("<i4").tobytes(),
+            "kc": chunk.kept_counts.numpy().astype("<i4", copy=False).tobytes(),
             "plen": sum(p.nbytes for p in parts),
-            "ca": self.checksum,
         }
-        header["ck"] = _checksum(self.checksum, _meta(header), parts)
+        header["ck"] = _checksum(_meta(header), parts)
         packed = msgpack.packb(header, use_bin_type=True)
         pad = -(_PREFIX.size + len(packed)) % _ALIGN
-        return b"".join([_PREFIX.pack(MAGIC, len(packed)), packed, bytes(pad), *parts])
+        head = _PREFIX.pack(MAGIC, len(packed)) + packed + bytes(pad)
+        return EncodedValue((head, *parts), len(head) + header["plen"])
 
-    def decode(self, data: bytes | bytearray | memoryview) -> CompactedChunk:
+    def decode(self, data: Buffer) -> CompactedChunk:
         """Check and decode one value; tensors are zero-copy views of ``data``.
 
         Raises:
@@ -196,7 +255,7 @@ class ChunkCodec:
         with self._lock:
             return dict(self._rejected)
 
-    def _decode(self, data: bytes | bytearray | memoryview) -> CompactedChunk:
+    def _decode(self, data: Buffer) -> CompactedChunk:
         mv = memoryview(data).cast("B")
         if len(mv) < _PREFIX.size:
             raise TruncatedEntryError(f"value of {len(mv)} bytes is shorter than its prefix")
@@ -208,9 +267,9 @@ class ChunkCodec:
         if len(mv) < _PREFIX.size + hlen:
             raise TruncatedEntryError(f"value of {len(mv)} bytes ends inside its header")
         h = self._parse_header(mv[_PREFIX.size : _PREFIX.size + hlen])
+        counts = self._kept_counts(h)
         dtype = SUPPORTED_DTYPES[h["dt"]]
-        elt = dtype.itemsize
-        expected = packed_nbytes(h["n"], h["dk"], h["dv"], elt)
+        expected = packed_nbytes(h["n"], h["dk"], h["dv"], dtype.itemsize)
         if h["plen"] != expected:
             raise ShapeMismatchError(
                 f"payload length {h['plen']} does not match shapes (n={h['n']}, dk={h['dk']}, "
@@ -222,18 +281,14 @@ class ChunkCodec:
             raise TruncatedEntryError(f"payload has {have} of {h['plen']} bytes")
         if have > h["plen"]:
             raise ShapeMismatchError(f"{have - h['plen']} bytes trail the payload")
-        payload = mv[off:]
-        if _checksum(h["ca"], _meta(h), [payload]) != h["ck"]:
+        if _checksum(_meta(h), [mv[off:]]) != h["ck"]:
             raise ChecksumMismatchError("payload or header checksum mismatch")
-        if h["plen"]:
-            buf = torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
-        else:
-            buf = torch.empty(0, dtype=torch.uint8)
-        positions, keys, values = unpack_views(buf, h["n"], h["dk"], h["dv"], dtype)
-        if h["n"] and (int(positions.min()) < 0 or int(positions.max()) >= h["nt"]):
-            raise ShapeMismatchError(f"positions outside [0, {h['nt']})")
-        counts = torch.frombuffer(bytearray(h["kc"]), dtype=torch.int32).view(h["L"], h["H"])
-        return CompactedChunk(keys, values, counts, positions, h["nt"])
+        n, nt = h["n"], h["nt"]
+        # as uint32 a negative position reads >= 2**31, so one max checks both bounds
+        if n and int(np.frombuffer(data, dtype="<u4", count=n, offset=off).max()) >= nt:
+            raise ShapeMismatchError(f"positions outside [0, {nt})")
+        positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
+        return CompactedChunk._trusted(keys, values, counts, positions, nt)
 
     def _parse_header(self, raw: memoryview) -> dict[str, Any]:
         try:
@@ -242,10 +297,10 @@ class ChunkCodec:
             raise BadHeaderError(f"header is not valid msgpack: {exc}") from None
         if not isinstance(h, dict):
             raise BadHeaderError(f"header must be a map, got {type(h).__name__}")
-        if h.get("v") != FORMAT_VERSION:
+        if h.get("v") != VALUE_VERSION:
             raise UnsupportedVersionError(
-                f"format version {h.get('v')!r} is not supported (this build reads "
-                f"{FORMAT_VERSION})"
+                f"value format version {h.get('v')!r} is not supported (this build reads "
+                f"{VALUE_VERSION}); the chunk is recomputed"
             )
         ints = ("nt", "L", "H", "dk", "dv", "n", "plen")
         for name in ints:
@@ -260,17 +315,55 @@ class ChunkCodec:
             )
         if h.get("dt") not in SUPPORTED_DTYPES:
             raise BadHeaderError(f"dtype {h.get('dt')!r} not in {sorted(SUPPORTED_DTYPES)}")
-        if h.get("ca") not in CHECKSUMS:
-            raise BadHeaderError(f"checksum {h.get('ca')!r} not in {CHECKSUMS}")
+        if len(h["ck"]) != CHECKSUM_BYTES:
+            raise BadHeaderError(f"checksum has {len(h['ck'])} bytes, expected {CHECKSUM_BYTES}")
         if min(h["L"], h["H"], h["dk"], h["dv"], h["nt"]) < 1:
             raise ShapeMismatchError("layers, heads, head dims and num_tokens must be >= 1")
         if len(h["kc"]) != 4 * h["L"] * h["H"]:
             raise ShapeMismatchError(
                 f"kept counts have {len(h['kc'])} bytes, expected {4 * h['L'] * h['H']}"
             )
-        counts = np.frombuffer(h["kc"], dtype="<i4").astype(np.int64)
-        if int(counts.sum()) != h["n"] or counts.min() < 0 or counts.max() > h["nt"]:
-            raise ShapeMismatchError(
-                f"kept counts (sum {int(counts.sum())}) inconsistent with n={h['n']}, nt={h['nt']}"
-            )
         return h
+
+    def _kept_counts(self, h: dict[str, Any]) -> torch.Tensor:
+        """The header's kept counts, checked against ``n`` and ``nt``, as ``(L, H)`` int32.
+
+        Chunks of one model and budget share their counts, so checked tensors are reused
+        (chunks are immutable; a tier shares ``kept_counts`` between copies the same way).
+        """
+        key = (h["kc"], h["L"], h["H"], h["n"], h["nt"])
+        counts = self._counts.get(key)
+        if counts is not None:
+            return counts
+        # as uint32 a negative count reads >= 2**31, so the max checks both bounds
+        raw = np.frombuffer(h["kc"], dtype="<u4")
+        total = int(raw.sum(dtype=np.uint64))
+        if total != h["n"] or int(raw.max()) > h["nt"]:
+            raise ShapeMismatchError(
+                f"kept counts (sum {total}) inconsistent with n={h['n']}, nt={h['nt']}"
+            )
+        counts = torch.frombuffer(bytearray(h["kc"]), dtype=torch.int32).view(h["L"], h["H"])
+        if len(self._counts) >= _COUNTS_CACHE:
+            self._counts.clear()
+        self._counts[key] = counts
+        return counts
+
+
+def _views(
+    data: Buffer, off: int, n: int, dk: int, dv: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions (n,), keys (n, dk), values (n, dv))`` viewing ``data`` from ``off``
+    (the packed layout of :func:`lmcompact.store.chunk.unpack_views`)."""
+    if n == 0:
+        return (
+            torch.empty(0, dtype=torch.int32),
+            torch.empty(0, dk, dtype=dtype),
+            torch.empty(0, dv, dtype=dtype),
+        )
+    k_off = off + 4 * n
+    v_off = k_off + dtype.itemsize * n * dk
+    return (
+        torch.frombuffer(data, dtype=torch.int32, count=n, offset=off),
+        torch.frombuffer(data, dtype=dtype, count=n * dk, offset=k_off).view(n, dk),
+        torch.frombuffer(data, dtype=dtype, count=n * dv, offset=v_off).view(n, dv),
+    )

@@ -8,6 +8,11 @@ For chunk size ``S`` and token ids ``t``, chunk ``i`` covers ``t[i*S:(i+1)*S]`` 
 so a key names the whole prefix up to the chunk's end, and two engines whose namespaces differ
 (model, KV dtype, layout, tensor-parallel rank, policy, format) never share a key. Only
 bytes go into the hash (never Python ``hash``), so keys are stable across processes and hosts.
+
+The hash is cryptographic on purpose: two prompts with one key would get each other's KV,
+and prompts are chosen by users, who could search for collisions of a fast
+non-cryptographic hash. It costs little here (2 KiB of token ids per chunk). Integrity of
+the stored bytes is the codec's xxh3-128 checksum (:mod:`lmcompact.store.codec`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
-"""Version of the store's key derivation and value format; bump on any incompatible change."""
+"""Version of the key derivation (it enters every namespace, so every key); bump on any
+incompatible change of it. The value layout has its own version,
+:data:`lmcompact.store.codec.VALUE_VERSION`: values of another one are refused under
+unchanged keys, and so rewritten."""
 
 DEFAULT_CHUNK_SIZE = 256
 KEY_BYTES = 32

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmcompact.store.chunk import CompactedChunk
-from lmcompact.store.codec import CHECKSUMS, ChunkCodec
+from lmcompact.store.codec import ChunkCodec
 from lmcompact.store.eviction import EVICTION_POLICIES, make_eviction_policy
 from lmcompact.store.keys import ChunkKey, StoreNamespace
 from lmcompact.store.tiers.base import StorageTier
@@ -47,7 +47,6 @@ class StoreConfig:
         redis_async_writes: write to Redis on a background thread (else inline).
         redis_queue_size: bound of the background write queue, in chunks.
         redis_queue_timeout_s: longest a put blocks on a full queue before dropping the write.
-        checksum: codec checksum, ``"crc32"`` or ``"blake2b"``.
         metrics_log_interval_s: log a metrics line at most this often; None disables.
     """
 
@@ -65,7 +64,6 @@ class StoreConfig:
     redis_async_writes: bool = True
     redis_queue_size: int = 64
     redis_queue_timeout_s: float = 0.5
-    checksum: str = "crc32"
     metrics_log_interval_s: float | None = 60.0
 
     def __post_init__(self) -> None:
@@ -83,8 +81,6 @@ class StoreConfig:
                 f"eviction must be one of {sorted(EVICTION_POLICIES)} or 'module:Class', "
                 f"got {self.eviction!r}"
             )
-        if self.checksum not in CHECKSUMS:
-            raise ValueError(f"checksum must be one of {CHECKSUMS}, got {self.checksum!r}")
         positive = (
             "redis_socket_timeout_s",
             "redis_backoff_initial_s",
@@ -137,7 +133,7 @@ class TieredStore:
     ) -> None:
         self.config = config or StoreConfig()
         self.namespace = namespace
-        self.codec = ChunkCodec(namespace, self.config.checksum)
+        self.codec = ChunkCodec(namespace)
         self.tiers: list[StorageTier] = list(tiers) if tiers is not None else self._build()
         if not self.tiers:
             raise ValueError("a store needs at least one tier")

@@ -1,9 +1,10 @@
 """Shared start of the GPU check scripts in this folder (imported before vLLM or torch).
 
 Sets the in-process vLLM environment the device machine needs, puts the repository root on
-``sys.path`` (and the pure-Python ``msgpack`` carried in ``.vcarry/py`` when the machine lacks
-it), and records the software a result came from. A script may set any of these variables
-itself before importing this module; ``setdefault`` keeps its value.
+``sys.path`` (and ``.vcarry/py`` when the machine lacks the store's ``msgpack`` or ``xxhash``:
+the pure-Python msgpack and the cp312 xxhash wheel unpacked there), and records the software
+a result came from. A script may set any of these variables itself before importing this
+module; ``setdefault`` keeps its value.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 try:
-    import msgpack  # noqa: F401  (the store's codec needs it; the GPU machine may lack it)
-except ImportError:  # pure-Python copy carried in .vcarry/py (git-ignored)
+    import msgpack  # noqa: F401  (the store's codec needs both; the GPU machine may lack them)
+    import xxhash  # noqa: F401
+except ImportError:  # copies carried in .vcarry/py (git-ignored)
     sys.path.append(str(ROOT / ".vcarry" / "py"))
 
 import torch  # noqa: E402

@@ -6,6 +6,12 @@ the same size, which is most puts (chunks of one model and budget share a size),
 is one copy into warm memory rather than a fresh allocation. A buffer is recycled only
 when nothing outside the tier still views it (a caller holding a chunk from ``get``);
 otherwise it is dropped and freed when that caller lets go.
+
+A put that crosses host and CUDA (a device chunk into the pinned CPU tier, a host chunk into
+the GPU tier) is queued on a side stream (:mod:`lmcompact.store.transfer`) and returns at
+once; the entry keeps the copy's event, and ``get`` / ``peek`` wait on it before handing the
+chunk out (a host entry: the thread waits; a device entry: the caller's stream waits).
+Puts within one side copy synchronously, as they always did.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.eviction import EvictionPolicy, PinTable, make_eviction_policy
 from lmcompact.store.keys import ChunkKey
 from lmcompact.store.tiers.base import StorageTier
+from lmcompact.store.transfer import CopierPool, PendingCopy
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,22 @@ class _Entry:
     chunk: CompactedChunk
     buffer: torch.Tensor
     nbytes: int
+    pending: PendingCopy | None = None
+
+    def ready(self) -> CompactedChunk:
+        """The chunk, once a pending copy into it may be read by the caller."""
+        pending = self.pending
+        if pending is not None:
+            pending.wait()
+            if pending.destination.type != "cuda" or pending.done():
+                self.pending = None
+        return self.chunk
+
+    def settle(self) -> None:
+        """Block until a pending copy finished (before the buffer is reused)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self.pending = None
 
 
 class MemoryTier(StorageTier):
@@ -76,6 +99,8 @@ class MemoryTier(StorageTier):
         self._allocated = 0
         self._used = 0
         self._baseline_uses = 0
+        self._copiers = CopierPool()
+        self._inflight: set[ChunkKey] = set()  # entries whose copy may still run
         self._lock = threading.Lock()
 
     @property
@@ -104,12 +129,12 @@ class MemoryTier(StorageTier):
             self.stats.add(misses=1)
             return None
         self.stats.add(hits=1, bytes_out=entry.nbytes)
-        return entry.chunk
+        return entry.ready()
 
     def peek(self, key: ChunkKey) -> CompactedChunk | None:
         """The stored chunk without counting a hit or refreshing its eviction order."""
         entry = self._entries.get(key)
-        return None if entry is None else entry.chunk
+        return None if entry is None else entry.ready()
 
     def contains(self, key: ChunkKey) -> bool:
         return key in self._entries
@@ -128,8 +153,13 @@ class MemoryTier(StorageTier):
                 )
                 return False
             self._used += nbytes
+        pending: PendingCopy | None = None
         try:
-            stored = chunk.pack_into(buf)
+            copier = self._copiers.for_copy(chunk.device, buf.device)
+            if copier is None:
+                stored = chunk.pack_into(buf)
+            else:
+                stored, pending = copier.pack_into(chunk, buf)
         except BaseException:
             with self._lock:
                 self._used -= nbytes
@@ -137,10 +167,15 @@ class MemoryTier(StorageTier):
             raise
         with self._lock:
             if key in self._entries:  # a concurrent put of the same content won
+                if pending is not None:
+                    pending.synchronize()
                 self._used -= nbytes
                 self._free.setdefault(nbytes, []).append(buf)
                 return True
-            self._entries[key] = _Entry(stored, buf, nbytes)
+            self._entries[key] = _Entry(stored, buf, nbytes, pending)
+            if pending is not None:
+                self._inflight.add(key)
+            self._release_finished()
             self._policy.on_insert(key, nbytes)
         self.stats.add(puts=1, bytes_in=nbytes)
         return True
@@ -185,10 +220,21 @@ class MemoryTier(StorageTier):
     # -- internals (lock held) --------------------------------------------------------------
     def _remove(self, key: ChunkKey) -> _Entry:
         entry = self._entries.pop(key)
+        self._inflight.discard(key)
+        entry.settle()  # a copy still writing into the buffer must end before its reuse
         self._policy.on_remove(key)
         self._used -= entry.nbytes
         self._free.setdefault(entry.nbytes, []).append(entry.buffer)
         return entry
+
+    def _release_finished(self) -> None:
+        """Forget copies that finished, releasing the sources they kept alive."""
+        for key in list(self._inflight):
+            entry = self._entries.get(key)
+            if entry is None or entry.pending is None or entry.pending.done():
+                self._inflight.discard(key)
+                if entry is not None:
+                    entry.pending = None
 
     def _take_free(self, nbytes: int) -> torch.Tensor | None:
         bufs = self._free.get(nbytes)

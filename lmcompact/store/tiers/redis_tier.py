@@ -1,5 +1,10 @@
 """Redis tier: one key per chunk, value = the codec's bytes, written with a single SET.
 
+A batch of chunks is written and read in one round trip each (pipelined ``SET`` / ``GET``).
+Values are written from the codec's buffers (frame head plus views of the chunk's tensors,
+see :mod:`lmcompact.store.tiers.resp`) and decoded in place over the bytes redis-py
+received, so the payload is copied by neither side.
+
 A SET is atomic, so a reader sees a whole value or none; anything else that can go wrong
 with a value (damage, another engine's namespace, an old format) is caught by the codec,
 counted as ``rejected`` and the key deleted. When Redis is unreachable (at start or
@@ -22,9 +27,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from lmcompact.store.chunk import CompactedChunk
-from lmcompact.store.codec import ChunkCodec, CorruptEntryError
+from lmcompact.store.codec import ChunkCodec, CorruptEntryError, EncodedValue
 from lmcompact.store.keys import ChunkKey
 from lmcompact.store.tiers.base import StorageTier
+from lmcompact.store.tiers.resp import execute_packed, pack_set
 
 logger = logging.getLogger(__name__)
 
@@ -198,19 +204,23 @@ class RedisTier(StorageTier):
         encoded = [(self.redis_key(k), self.codec.encode(c)) for k, c in items]
         return self.put_encoded(encoded)
 
-    def put_encoded(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Store already-encoded values under already-prefixed Redis keys (one pipeline)."""
+    def put_encoded(self, items: Sequence[tuple[bytes, EncodedValue | bytes]]) -> list[bool]:
+        """Store encoded values under already-prefixed Redis keys, in one round trip."""
         if not items:
             return []
+        packed: list[Any] = []
+        for rkey, value in items:
+            parts = value.parts if isinstance(value, EncodedValue) else (value,)
+            packed += pack_set(rkey, parts, self.ttl_ms)
 
-        def store(c: redis.Redis) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            for rkey, value in items:
-                pipe.set(rkey, value, px=self.ttl_ms)
-            return pipe.execute(raise_on_error=False)
-
-        results = self._call(store, [None] * len(items))
-        ok = [r is True for r in results]
+        results = self._call(lambda c: execute_packed(c, packed, len(items)), [None] * len(items))
+        failed = [r for r in results if isinstance(r, redis.exceptions.ResponseError)]
+        if failed:  # e.g. OOM under maxmemory: not a connection fault
+            self.stats.add(errors=len(failed))
+            logger.warning(
+                "redis tier: %d of %d SETs refused: %s", len(failed), len(items), failed[0]
+            )
+        ok = [r == b"OK" or r is True for r in results]
         stored = sum(ok)
         self.stats.add(
             puts=stored,

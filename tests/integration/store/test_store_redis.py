@@ -22,9 +22,11 @@ from lmcompact.store import (
     chunk_keys,
 )
 from lmcompact.store.chunk import SUPPORTED_DTYPES
+from lmcompact.store.codec import VALUE_VERSION
 from lmcompact.store.redis_process import RedisProcess, free_port
 from lmcompact.store.tiers.redis_tier import RedisTier
 from tests.unit.store.store_helpers import make_chunk, make_namespace, same_chunk
+from tests.unit.store.test_store_codec import V1_CRC32
 
 pytestmark = [
     pytest.mark.integration,
@@ -119,9 +121,10 @@ def rewrite_header(value: bytes, **changes) -> bytes:
     [
         (lambda v: v[:400] + bytes([v[400] ^ 0x10]) + v[401:], "checksum_mismatch"),
         (lambda v: v[: len(v) // 2], "truncated"),
-        (lambda v: rewrite_header(v, v=2), "unsupported_version"),
+        (lambda v: rewrite_header(v, v=VALUE_VERSION + 1), "unsupported_version"),
+        (lambda v: bytes.fromhex(V1_CRC32), "unsupported_version"),  # the previous format
         (
-            lambda v: ChunkCodec(make_namespace(model_id="other")).encode(make_chunk(0)),
+            lambda v: ChunkCodec(make_namespace(model_id="other")).encode(make_chunk(0)).tobytes(),
             "foreign_namespace",
         ),
         (lambda v: v[:-5] + bytes([v[-5] ^ 1]) + v[-4:], "checksum_mismatch"),
@@ -138,6 +141,42 @@ def test_bad_values_are_refused_counted_and_removed(redis_server, damage, reason
     assert m["rejected"] == 1 and m["misses"] == 1 and m["hits"] == 0
     assert tier.codec.metrics()[reason] == 1
     assert r.exists(rkey) == 0  # the bad value was deleted
+    assert tier.put(KEYS[0], make_chunk(0))  # recomputed and written again
+    assert same_chunk(tier.get(KEYS[0]), make_chunk(0))
+
+
+def test_batches_take_one_round_trip_each(redis_server, monkeypatch):
+    """put_many / get_many of 6 chunks write their commands in one send and read the
+    replies after it (no request waits on the previous reply)."""
+    tier = redis_tier(redis_server.url)
+    items = [(KEYS[i], make_chunk(i, kept=64, dim=64)) for i in range(6)]
+    sends: list[int] = []
+    original = redis.connection.Connection.send_packed_command
+
+    def spy(self, command, check_health=True):
+        sends.append(len(command))
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", spy)
+    assert tier.put_many(items) == [True] * 6
+    assert len(sends) == 1
+    got = tier.get_many([k for k, _ in items])
+    assert len(sends) == 2
+    assert all(g is not None and same_chunk(g, c) for g, (_, c) in zip(got, items, strict=True))
+
+
+def test_refused_sets_do_not_derail_the_batch():
+    """Under maxmemory without eviction Redis refuses some SETs (OOM): those puts fail, the
+    others succeed, the tier stays healthy and the connection stays in step."""
+    with RedisProcess(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]) as s:
+        tier = redis_tier(s.url)
+        items = [(KEYS[i], make_chunk(i, kept=128, dim=64)) for i in range(24)]  # ~0.4 MB each
+        ok = tier.put_many(items)
+        assert ok[0] and not all(ok)
+        assert tier.healthy and tier.metrics()["errors"] == ok.count(False)
+        stored = [k for (k, _), good in zip(items, ok, strict=True) if good]
+        assert all(g is not None for g in tier.get_many(stored))
+        assert tier.contains_many([k for k, _ in items]) == ok
 
 
 def test_redis_killed_mid_run_then_recovers(redis_server, caplog):
@@ -267,3 +306,37 @@ def test_concurrent_threads_no_lost_or_mixed_entries(redis_server):
         assert w["dropped"] == 0 and w["failed"] == 0 and w["written"] == 32
         fetched = store.tier("redis").get_many(KEYS[:32])
         assert all(f is not None and same_chunk(f, make_chunk(i)) for i, f in enumerate(fetched))
+
+
+def test_bench_store_with_redis(tmp_path):
+    """The bench's Redis pair runs against its own private redis-server."""
+    import argparse
+    import json
+
+    from lmcompact.bench import store as bench_store
+
+    parser = argparse.ArgumentParser()
+    bench_store.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--layers",
+            "2",
+            "--kv-heads",
+            "2",
+            "--chunk-tokens",
+            "64",
+            "--chunks",
+            "2",
+            "--iters",
+            "1",
+            "--repeats",
+            "2",
+            "--budgets",
+            "0.5",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
+    assert bench_store.run(args) == 0
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["redis_vs_raw"] > 0 and row["raw_get_gbps"] > 0 and row["redis_put_gbps"] > 0

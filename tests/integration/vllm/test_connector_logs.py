@@ -76,6 +76,6 @@ def test_connector_lines_in_engine_log(
         r"INFO .*stored \S+: 2/2 chunks, kept 256 of 512 tokens",
     ]
     if multiprocessing == "0":  # the CPU tier is shared only inside one process
-        expected.append(r"INFO .*loaded \S+ from the store: 512 prefix tokens as 256 kept")
+        expected.append(r"INFO .*loading \S+ from the store: 512 prefix tokens as 256 kept")
     missing = [pattern for pattern in expected if not re.search(pattern, log)]
     assert not missing, f"missing {missing} in:\n{log[-4000:]}"

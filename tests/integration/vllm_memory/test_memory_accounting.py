@@ -1,9 +1,11 @@
 """Block accounting of the memory connector under load: packs, holes, aborts, preemption.
 
 A pool far too small for the workload forces vLLM to preempt (and later recompute)
-compacted requests; some requests are aborted mid-prefill and mid-decode. After every
-engine step the pool must be consistent (no block both free and held, reference counts
-equal to holders), and at the end every block is free again. The same workload then runs
+compacted requests when the admission reserve is off (``reserve_growth: false``); with it on
+(the default) the same workload runs without any preemption or re-pack. Some requests are
+aborted mid-prefill and mid-decode. After every engine step the pool must be consistent (no
+block both free and held, reference counts equal to holders), and at the end every block is
+free again. The same workload then runs
 with every free block overwritten by garbage after each step: identical tokens show that
 attention never reads a block that went back to the pool.
 """
@@ -79,17 +81,26 @@ class Watch:
 @pytest.mark.parametrize(
     "extra",
     [
-        {"policy": "snapkv", "budget": 0.25, "window": 16, "memory": {"prefill": "pack"}},
+        {
+            "policy": "snapkv",
+            "budget": 0.25,
+            "window": 16,
+            "memory": {"prefill": "pack", "reserve_growth": False},
+        },
         {
             "policy": "streaming_llm",
             "budget": 0.5,
-            "memory": {"prefill": "blocks", "decode_budget_tokens": 320},
+            "memory": {
+                "prefill": "blocks",
+                "decode_budget_tokens": 320,
+                "reserve_growth": False,
+            },
         },
         {
             "policy": "adakv",
             "budget": 0.25,
             "window": 16,
-            "memory": {"prefill": "pack", "per_head": {"slack": 1.5}},
+            "memory": {"prefill": "pack", "per_head": {"slack": 1.5}, "reserve_growth": False},
         },
     ],
     ids=["snapkv-pack", "streaming-blocks-decode", "adakv-per-head"],
@@ -143,3 +154,36 @@ def _renamed(watch: Watch) -> Any:
             ABORTS.update(saved)
 
     return hook
+
+
+def test_reserve_growth_prevents_preemption_and_repacks(tiny_model: str) -> None:
+    """The workload that preempts above, without aborts: with the admission reserve on,
+    no request is preempted or packed twice, and the pool is whole at the end."""
+    extra = {
+        "save": False,
+        "load": False,
+        "policy": "snapkv",
+        "budget": 0.25,
+        "window": 16,
+        "memory": {"prefill": "pack"},
+    }
+    with memory_engine(
+        tiny_model, extra, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, max_model_len=928
+    ) as llm:
+        manager = kv_manager(llm)
+        watch = Watch(llm, poison=False)
+        problems: list[str] = []
+
+        def audit(step: int, outputs: list[Any]) -> None:
+            report = audit_pool(manager)
+            if not report.ok:
+                problems.append(f"step {step}: {report}")
+
+        tokens = run(llm, PROMPTS, MAX_TOKENS, audit)
+        stats = scheduler(llm).connector.memory_scheduler.stats
+        assert problems == []
+        assert watch.preemptions == 0 and stats.preemptions == 0
+        assert stats.packs == len(PROMPTS) and stats.repacks == 0
+        assert stats.admissions_deferred > 0  # the reserve did hold requests back
+        assert all(len(tokens[r]) == MAX_TOKENS[r] for r in PROMPTS)
+        assert manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from lmcompact.attention.scores import cumulative_scores, window_scores
+from lmcompact.attention.rope import Rope
+from lmcompact.attention.scores import context_scores, cumulative_scores, window_scores
 from lmcompact.policies import (
     Budget,
     CompactionInputs,
@@ -141,6 +142,13 @@ POLICY_CASES: list[PolicyCase] = [
         "pattern",
         shape_params=_duo_pattern,
     ),
+    PolicyCase("kvzip", "kvzip", {"n_sink": 2, "window": 4, "max_queries": 16}),
+    PolicyCase("expected_attention", "expected_attention", {"n_sink": 2, "n_future_positions": 8}),
+    PolicyCase(
+        "expected_attention-mean",
+        "expected_attention",
+        {"n_sink": 0, "use_covariance": False, "use_vnorm": False, "epsilon": 0.1},
+    ),
 ]
 """Every built-in policy at least once; ids are unique."""
 
@@ -192,7 +200,18 @@ def synthetic_inputs(
             )
             assert attention is not None
             cumulative = cumulative_scores(queries[None], keys[None])[0]
-            observations.append(LayerObservation(keys, values, mass[0], attention[0], cumulative))
+            context = context_scores(queries[None], keys[None], torch.arange(length))[0]
+            observations.append(
+                LayerObservation(
+                    keys,
+                    values,
+                    mass[0],
+                    attention[0],
+                    cumulative,
+                    context_scores=context,
+                    window_queries=queries[:, length - w :],
+                )
+            )
             continue
         # decode: the window queries follow every cached token; padding is invisible
         logits = (
@@ -215,6 +234,8 @@ def synthetic_inputs(
                 attention.sum(dim=1),
                 attention,
                 cumulative,
+                context_scores=attention.amax(dim=1),
+                window_queries=queries[:, :w],
             )
         )
     special = torch.zeros(length, dtype=torch.bool)
@@ -228,6 +249,10 @@ def synthetic_inputs(
         valid=valid if padded else None,
         special_mask=special,
         punctuation_mask=punctuation & ~special,
+        query_positions=torch.arange(2 * length, 2 * length + w)
+        if padded
+        else torch.arange(length - w, length),
+        rope=Rope.from_theta(10_000.0, head_dim - head_dim % 2) if head_dim >= 2 else None,
     )
 
 

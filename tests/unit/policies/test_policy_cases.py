@@ -19,7 +19,7 @@ from tests.unit.policies.cases import BUDGET_RULES, POLICY_CASES, PolicyCase
 CASE_IDS = [case.id for case in POLICY_CASES]
 BUILTIN_NAMES = {
     "none", "random", "streaming_llm", "h2o", "tova", "snapkv",
-    "pyramidkv", "adakv", "knorm", "fastgen", "duoattention",
+    "pyramidkv", "adakv", "knorm", "fastgen", "duoattention", "kvzip", "expected_attention",
 }  # fmt: skip
 
 

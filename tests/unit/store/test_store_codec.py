@@ -59,11 +59,12 @@ def chunks(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(chunk=chunks(), checksum=st.sampled_from(["crc32", "blake2b"]))
-def test_round_trip_ragged(chunk, checksum):
-    codec = ChunkCodec(make_namespace(), checksum)
+@given(chunk=chunks())
+def test_round_trip_ragged(chunk):
+    codec = ChunkCodec(make_namespace())
     value = codec.encode(chunk)
-    back = codec.decode(value)
+    assert len(value) == sum(memoryview(p).nbytes for p in value.parts)
+    back = codec.decode(value.tobytes())
     assert same_chunk(back, chunk)
     assert back.dtype == chunk.dtype and back.keys.shape == chunk.keys.shape
     for layer in range(chunk.num_layers):
@@ -76,7 +77,7 @@ def test_round_trip_ragged(chunk, checksum):
 @given(chunk=chunks(), data=st.data())
 def test_any_truncation_is_refused(chunk, data):
     codec = ChunkCodec(make_namespace())
-    value = codec.encode(chunk)
+    value = codec.encode(chunk).tobytes()
     cut = data.draw(st.integers(0, len(value) - 1))
     with pytest.raises(CorruptEntryError):
         codec.decode(value[:cut])
@@ -86,7 +87,7 @@ def test_any_truncation_is_refused(chunk, data):
 @given(chunk=chunks(), data=st.data())
 def test_any_single_byte_flip_is_refused(chunk, data):
     codec = ChunkCodec(make_namespace())
-    value = bytearray(codec.encode(chunk))
+    value = bytearray(codec.encode(chunk).tobytes())
     hlen = struct.unpack_from("<I", value, 4)[0]
     pad_end = 8 + hlen + (-(8 + hlen) % 16)
     # every byte but the alignment padding matters
@@ -130,7 +131,7 @@ def rewrite_header(value: bytes, **changes) -> bytes:
 )
 def test_each_refusal_has_its_class_and_counter(damage, error, reason):
     codec = ChunkCodec(make_namespace())
-    value = codec.encode(make_chunk(1))
+    value = codec.encode(make_chunk(1)).tobytes()
     with pytest.raises(error) as info:
         codec.decode(damage(value))
     assert isinstance(info.value, ValueError)
@@ -143,14 +144,38 @@ def test_kept_counts_shuffle_fails_checksum():
     counts = torch.tensor([[3, 5]], dtype=torch.int32)
     chunk = random_ragged([3, 5], 1, 2, 8, 4, 4, torch.float16, 0)
     assert torch.equal(chunk.kept_counts, counts)
-    forged = rewrite_header(codec.encode(chunk), kc=struct.pack("<2i", 5, 3))
+    forged = rewrite_header(codec.encode(chunk).tobytes(), kc=struct.pack("<2i", 5, 3))
     with pytest.raises(ChecksumMismatchError):
         codec.decode(forged)
 
 
+def test_encode_is_zero_copy():
+    """The payload parts of an encoded value are views of the chunk's own tensors."""
+    codec = ChunkCodec(make_namespace())
+    chunk = make_chunk(2, layers=3, heads=2, kept=64, dim=32)
+    value = codec.encode(chunk)
+    head, *payload = value.parts
+    assert len(head) % 16 == 0 and len(head) < 512
+    assert len(payload) == 3
+    for part, tensor in zip(payload, (chunk.positions, chunk.keys, chunk.values), strict=True):
+        view = torch.frombuffer(part, dtype=torch.uint8)
+        assert view.data_ptr() == tensor.data_ptr() and view.numel() == tensor.nbytes
+    assert value.nbytes == len(head) + chunk.payload_nbytes
+    # the joined bytes decode back to the chunk
+    assert same_chunk(codec.decode(value.tobytes()), chunk)
+    # a chunk packed in one buffer (as the memory tiers hold them) is framed as one view
+    packed = chunk.clone()
+    head2, *payload2 = codec.encode(packed).parts
+    assert head2 == head and len(payload2) == 1
+    view = torch.frombuffer(payload2[0], dtype=torch.uint8)
+    assert view.data_ptr() == packed.positions.data_ptr()
+    assert view.numel() == packed.payload_nbytes
+    assert codec.encode(packed).tobytes() == value.tobytes()
+
+
 def test_decode_is_zero_copy():
     codec = ChunkCodec(make_namespace())
-    value = codec.encode(make_chunk(2))
+    value = codec.encode(make_chunk(2)).tobytes()
     back = codec.decode(value)
     # the decoded tensors point into the value's own bytes
     addr = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value
@@ -191,6 +216,47 @@ def test_chunk_validation():
         )
 
 
-def test_checksum_choice_is_validated():
-    with pytest.raises(ValueError, match="crc32"):
-        ChunkCodec(make_namespace(), "md5")
+# Values written by the previous value format (version 1, crc32 and blake2b checksums) for
+# make_chunk(0, layers=1, heads=2, kept=2, dim=4) in make_namespace(): real bytes of that build.
+V1_CRC32 = (
+    "4c4d434b5f0000008da17601a26e73c410a4ed80bea5fafd29853b09b70f8be991a26474a7666c6f617433"
+    "32a26e7404a14c01a14802a2646b04a2647604a16e04a26b63c4080200000002000000a4706c656ecc90a2"
+    "6361a56372633332a2636bc404390b4c2700000000000000000000000000020000000000000002000000"
+    "851b90bf8a8093bfd64b80be5d25debe1545593f8327313f6dcca1bec15f07c03801a53ef4b4a1bfff30b3"
+    "3ebbc39d3e776ff53d936b9e3f8ef28e3f7c367dbec223adbf4614d9bf0410113f5d234b3f8b4d193f5b0d"
+    "c7bfcac6aebe4e2fed3f6b0c403f2be315bfeb8e31bea4e13b3ec0d6b13f000dcb3f9c40723f33fb57bf"
+)
+V1_BLAKE2B = (
+    "4c4d434b6d0000008da17601a26e73c410a4ed80bea5fafd29853b09b70f8be991a26474a7666c6f617433"
+    "32a26e7404a14c01a14802a2646b04a2647604a16e04a26b63c4080200000002000000a4706c656ecc90a2"
+    "6361a7626c616b653262a2636bc41028acd79d307fe3dd6ce7d746b40b2097000000000000000000000000"
+    "000000020000000000000002000000851b90bf8a8093bfd64b80be5d25debe1545593f8327313f6dcca1be"
+    "c15f07c03801a53ef4b4a1bfff30b33ebbc39d3e776ff53d936b9e3f8ef28e3f7c367dbec223adbf4614d9"
+    "bf0410113f5d234b3f8b4d193f5b0dc7bfcac6aebe4e2fed3f6b0c403f2be315bfeb8e31bea4e13b3ec0d6"
+    "b13f000dcb3f9c40723f33fb57bf"
+)
+
+
+@pytest.mark.parametrize("old", [V1_CRC32, V1_BLAKE2B], ids=["crc32", "blake2b"])
+def test_previous_format_is_refused_not_misread(old):
+    """A value of the previous format is refused as such (the caller recomputes the chunk),
+    although its payload is intact and its namespace is this engine's."""
+    codec = ChunkCodec(make_namespace())
+    value = bytes.fromhex(old)
+    header = msgpack.unpackb(value[8 : 8 + struct.unpack_from("<I", value, 4)[0]])
+    assert header["v"] == 1 and header["ns"] == make_namespace().digest()
+    with pytest.raises(UnsupportedVersionError, match="version 1"):
+        codec.decode(value)
+    assert codec.metrics()["unsupported_version"] == 1
+    # the same chunk in the current format decodes
+    chunk = make_chunk(0, layers=1, heads=2, kept=2, dim=4)
+    assert same_chunk(codec.decode(codec.encode(chunk).tobytes()), chunk)
+
+
+def test_checksum_covers_the_header_fields():
+    """A header rewritten with a consistent but different shape fails the checksum."""
+    codec = ChunkCodec(make_namespace())
+    value = codec.encode(make_chunk(3, kept=8)).tobytes()
+    forged = rewrite_header(value, nt=17)
+    with pytest.raises(ChecksumMismatchError):
+        codec.decode(forged)

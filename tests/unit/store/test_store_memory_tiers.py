@@ -146,7 +146,6 @@ def test_eviction_policy_names():
         ("gpu_capacity_bytes", -5),
         ("redis_url", "http://localhost"),
         ("eviction", "random"),
-        ("checksum", "md5"),
         ("redis_queue_size", 0),
         ("redis_backoff_initial_s", 100.0),
         ("redis_ttl_s", 0),
@@ -213,3 +212,31 @@ def test_concurrent_memory_tier():
         th.join()
     assert not errors
     assert t.used_bytes <= t.capacity_bytes
+
+
+def test_host_only_puts_take_no_stream_copy():
+    """Without a host <-> CUDA crossing the memory tiers copy synchronously, as before."""
+    from lmcompact.store.transfer import CopierPool, needs_stream_copy
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not needs_stream_copy(cpu, cpu) and not needs_stream_copy(cuda, cuda)
+    assert needs_stream_copy(cpu, cuda) and needs_stream_copy(cuda, cpu)
+    assert CopierPool().for_copy(cpu, cpu) is None
+    tier = CPUTier(1 << 20, pin_memory=False)
+    assert tier.put(KEYS[0], make_chunk(0))
+    got = tier.get(KEYS[0])
+    assert got is not None and same_chunk(got, make_chunk(0))
+    assert len(tier._copiers) == 0 and not tier._inflight
+
+
+def test_packed_span_views_a_packed_payload_only():
+    from lmcompact.store.chunk import packed_span
+
+    loose = make_chunk(0)  # from_dense: positions, keys, values in three allocations
+    assert packed_span(loose) is None
+    packed = loose.clone()  # one buffer, positions | keys | values
+    span = packed_span(packed)
+    assert span is not None and span.dtype == torch.uint8
+    assert span.numel() == packed.payload_nbytes and span.data_ptr() == packed.positions.data_ptr()
+    buf = torch.empty(packed.payload_nbytes, dtype=torch.uint8)
+    assert same_chunk(loose.pack_into(buf), packed) and torch.equal(buf, span)

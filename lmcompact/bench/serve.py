@@ -1,0 +1,321 @@
+"""``lmcompact bench serve``: end-to-end serving with and without compaction, as users run vLLM.
+
+CUDA graphs on (vLLM's default compilation; the CPU build is eager), vLLM's default
+batching, a KV pool given in full requests (``--pool-requests``) or by
+``--gpu-memory-utilization``. One workload = ``--requests`` prompts of ``--prompt-tokens``
+random token ids arriving at once, each generating exactly ``--output-tokens``. The
+baseline (plain vLLM) and one run per budget (``LMCompactMemoryConnector``, policy packed
+in place at prefill end) run in fresh subprocesses of one invocation::
+
+    e2e_ratio[b]    = output_tok_s(b) / output_tok_s(baseline)       (wall clock, all work)
+    decode_ratio[b] = decode_tok_s(b) / decode_tok_s(baseline)       (decode-only steps)
+
+``--quick`` runs on the CPU with SmolLM2 in a few minutes. For a serving shape without
+weights, ``--shape llama3-8b`` writes a config folder (Llama-3-8B: 32 layers, 32 query /
+8 KV heads, head_dim 128) and loads random weights (``load_format="dummy"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lmcompact.cli._output import format_table, write_json
+
+NAME = "serve"
+HELP = "end-to-end serving (CUDA graphs, default batching): baseline vs compaction budgets"
+
+QUICK = {"prompt_tokens": 1024, "output_tokens": 64, "requests": 12, "pool_requests": 3}
+FULL = {"prompt_tokens": 16384, "output_tokens": 1024, "requests": 24, "pool_requests": 6}
+SHAPES = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="CPU, SmolLM2, minutes")
+    parser.add_argument("--budgets", default="0.25", help="kept fractions, comma separated")
+    parser.add_argument("--policy", default="snapkv", help="compaction policy (default snapkv)")
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--output-tokens", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=None, help="requests sent at once")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--pool-requests", type=int, default=None, help="KV pool in full requests")
+    pool.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, help="size the pool as vLLM does"
+    )
+    parser.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="dummy-weight shape")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--window", type=int, default=32, help="observation window queries")
+    parser.add_argument("--no-reserve", action="store_true", help="admission without reserve")
+    parser.add_argument("--no-warm-up", action="store_true", help="skip start-up warm-up")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
+    parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
+    parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    base: dict[str, Any] = dict(QUICK if args.quick else FULL)
+    for key in ("prompt_tokens", "output_tokens", "requests", "pool_requests"):
+        value = getattr(args, key)
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+            base[key] = value
+    if args.gpu_memory_utilization is not None:
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+            )
+        base["pool_requests"] = None
+    return base
+
+
+def _budgets(text: str) -> list[str]:
+    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("--budgets needs at least one value")
+    for b in budgets:
+        if not 0.0 < float(b) < 1.0:
+            raise ValueError(f"--budgets values must be in (0, 1), got {b}")
+    return budgets
+
+
+def shape_folder(shape: str, root: Path) -> Path:
+    """A config-only model folder of ``shape`` (load it with ``load_format="dummy"``)."""
+    folder = root / shape
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    return folder
+
+
+def _child(spec_path: str) -> int:
+    from connectors.memory.serve_run import ServeWorkload, run_serve
+
+    spec = json.loads(Path(spec_path).read_text())
+    result = run_serve(ServeWorkload(**spec["workload"]), spec["extra"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+def _run_child(
+    workload: dict[str, Any], extra: dict[str, Any] | None, scratch: Path, name: str
+) -> dict[str, Any]:
+    spec = scratch / f"{name}.spec.json"
+    out = scratch / f"{name}.result.json"
+    spec.write_text(json.dumps({"workload": workload, "extra": extra, "out": str(out)}))
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcompact", "bench", "serve", "--child", str(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"serve run {name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+        )
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["connector_warnings"] = [
+        line.strip()
+        for line in proc.stderr.splitlines()
+        if "WARNING" in line and ("connectors." in line or "lmcompact" in line)
+    ][:20]
+    return result
+
+
+def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in runs.items():
+        steps = run["trace"]["step_s"]
+        clock = [sum(steps[: i + 1]) for i in range(len(steps))]
+        left.plot(clock, run["trace"]["running"][: len(clock)], label=name)
+    left.set_xlabel("wall clock (s)")
+    left.set_ylabel("requests running")
+    left.set_title("requests running (fixed KV pool)")
+    left.legend()
+    budgets = list(summary["e2e_ratio"])
+    x = range(len(budgets))
+    right.bar([i - 0.2 for i in x], [summary["e2e_ratio"][b] for b in budgets], 0.4, label="e2e")
+    right.bar(
+        [i + 0.2 for i in x], [summary["decode_ratio"][b] for b in budgets], 0.4, label="decode"
+    )
+    right.axhline(1.0, color="k", lw=0.8)
+    right.set_xticks(list(x), [f"budget {b}" for b in budgets])
+    right.set_ylabel("throughput vs baseline")
+    right.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    m = r["memory"] or {}
+    return {
+        "run": name,
+        "wall_s": r["wall_s"],
+        "out_tok_s": r["output_tokens_per_s"],
+        "decode_tok_s": r["decode_tokens_per_s"],
+        "peak_run": r["peak_running"],
+        "mean_run": r["mean_running"],
+        "preempt": r["preemptions"],
+        "packs": m.get("packs", "-"),
+        "repacks": m.get("repacks", "-"),
+        "pack_ms_p50": m.get("pack_ms_p50", "-"),
+        "pack_ms_p99": m.get("pack_ms_p99", "-"),
+        "first_pack_ms": m.get("pack_ms_first", "-"),
+        "init_s": r["engine_init_s"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        return _child(args.child)
+    settings = _settings(args)
+    budgets = _budgets(args.budgets)
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    bs = args.block_size
+    full_blocks = -(-(settings["prompt_tokens"] + settings["output_tokens"]) // bs)
+    with tempfile.TemporaryDirectory(prefix="lmc-serve-") as scratch:
+        load_format = "auto"
+        if args.shape is not None:
+            model = str(shape_folder(args.shape, Path(scratch)))
+            load_format = "dummy"
+        elif args.model is not None:
+            model = args.model
+        else:
+            from lmcompact.hf.prepare import prepare_model
+
+            model = str(prepare_model("smollm2"))
+        pool = settings["pool_requests"]
+        workload = {
+            "model": model,
+            "prompt_tokens": settings["prompt_tokens"],
+            "output_tokens": settings["output_tokens"],
+            "num_requests": settings["requests"],
+            "block_size": bs,
+            "num_blocks": None if pool is None else pool * full_blocks + 1,
+            "gpu_memory_utilization": args.gpu_memory_utilization or 0.9,
+            "dtype": dtype,
+            "load_format": load_format,
+            "enforce_eager": args.enforce_eager,
+        }
+        plans: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)]
+        memory = {
+            "prefill": "pack",
+            "reserve_growth": not args.no_reserve,
+            "warm_up": not args.no_warm_up,
+        }
+        plans += [
+            (
+                b,
+                {
+                    "policy": args.policy,
+                    "budget": float(b),
+                    "save": False,
+                    "load": False,
+                    "window": args.window,
+                    "memory": memory,
+                },
+            )
+            for b in budgets
+        ]
+        runs: dict[str, dict[str, Any]] = {}
+        for name, extra in plans:
+            print(f"serve: running {name} ...", file=sys.stderr, flush=True)
+            runs[name] = _run_child(workload, extra, Path(scratch), name.replace(".", "_"))
+            print(format_table([_row(name, runs[name])]), file=sys.stderr, flush=True)
+
+    base = runs["baseline"]
+
+    def ratio(key: str, b: str) -> float:
+        return runs[b][key] / base[key] if base[key] else 0.0
+
+    summary: dict[str, Any] = {
+        "e2e_ratio": {b: ratio("output_tokens_per_s", b) for b in budgets},
+        "decode_ratio": {b: ratio("decode_tokens_per_s", b) for b in budgets},
+        "peak_running_ratio": {b: ratio("peak_running", b) for b in budgets},
+        "pack_ms_p50": {b: (runs[b]["memory"] or {}).get("pack_ms_p50") for b in budgets},
+        "pack_ms_first": {b: (runs[b]["memory"] or {}).get("pack_ms_first") for b in budgets},
+        "preemptions": {name: r["preemptions"] for name, r in runs.items()},
+    }
+    print(format_table([_row(name, r) for name, r in runs.items()]))
+    print(
+        format_table(
+            [
+                {
+                    "budget": b,
+                    "e2e_ratio": summary["e2e_ratio"][b],
+                    "decode_ratio": summary["decode_ratio"][b],
+                }
+                for b in budgets
+            ]
+        )
+    )
+    payload = {
+        "command": "lmcompact bench serve "
+        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"] else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if on_cuda else None,
+            "cpus": os.cpu_count(),
+        },
+        "policy": args.policy,
+        "settings": {**settings, "block_size": bs, "full_request_blocks": full_blocks},
+        **summary,
+        "runs": runs,
+    }
+    try:
+        import vllm
+
+        payload["machine"]["vllm"] = vllm.__version__
+    except ImportError:  # pragma: no cover - the runs themselves need vLLM
+        pass
+    write_json(args.json, payload)
+    if args.json not in (None, "-") or args.plot:
+        plot = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
+        _plot(plot, runs, summary)
+    return 0

@@ -1,0 +1,243 @@
+"""Summaries, a table and plots of ``lmcompact eval --engine vllm`` rows."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+KEY = ("engine", "model", "task", "context", "compact_on", "policy", "budget")
+MODE_ORDER = {"none": 0, "save": 1, "load": 2, "inplace": 3}
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per :data:`KEY`: mean ``accuracy`` over ``n`` questions, the cell's wall
+    time ``cell_s``, mean seconds per question, and ``store_ok`` (every question hit the
+    chunks it should, and every compacting question request was packed or loaded a hole).
+    Refused cells keep their ``error``."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[tuple(row.get(k) for k in KEY)].append(row)
+    out = []
+    for key, members in groups.items():
+        summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
+        errors = [m["error"] for m in members if m.get("error")]
+        scored = [m for m in members if "accuracy" in m]
+        summary["n"] = len(scored)
+        summary["accuracy"] = statistics.fmean(m["accuracy"] for m in scored) if scored else None
+        summary["cell_s"] = members[0].get("cell_s")
+        summary["seconds"] = statistics.fmean(m["seconds"] for m in scored) if scored else None
+        summary["store_ok"] = all(_honest(m) for m in scored) if scored else None
+        if errors:
+            summary["error"] = errors[0]
+        out.append(summary)
+    return sorted(
+        out,
+        key=lambda r: (
+            str(r["model"]),
+            str(r["task"]),
+            r["context"],
+            MODE_ORDER.get(r["compact_on"], 9),
+            r["policy"],
+            -r["budget"],
+        ),
+    )
+
+
+def _honest(row: dict[str, Any]) -> bool:
+    """The question's request did what its mode says: hits as expected, and compacted."""
+    mode = row["compact_on"]
+    if row.get("hit_chunks", 0) != row.get("expected_hit_chunks", 0):
+        return False
+    if mode in ("load", "inplace"):
+        return row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
+    if mode == "save":
+        return row.get("holes_adopted", 0) == 1
+    return True
+
+
+def markdown(summary: Sequence[dict[str, Any]]) -> str:
+    """One table per (model, task, context): rows (mode, policy), columns budgets."""
+    sections = []
+    blocks = sorted({(r["model"], r["task"], r["context"]) for r in summary if r["task"]})
+    for model, task, context in blocks:
+        rows = [
+            r for r in summary if (r["model"], r["task"], r["context"]) == (model, task, context)
+        ]
+        budgets = sorted({r["budget"] for r in rows if r["compact_on"] != "none"}, reverse=True)
+        header = ["compact_on", "policy", *[f"b={b:g}" for b in budgets], "n", "cell s"]
+        lines = [
+            f"### {model}, {task}, context {context} (accuracy; n questions per cell)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ]
+        for r in rows:
+            if r["compact_on"] == "none":
+                acc = _fmt(r["accuracy"])
+                lines.append(
+                    "| full cache | none | "
+                    + " | ".join(acc for _ in budgets)
+                    + f" | {r['n']} | {_fmt(r['cell_s'])} |"
+                )
+        pairs = sorted(
+            {(r["compact_on"], r["policy"]) for r in rows if r["compact_on"] != "none"},
+            key=lambda p: (MODE_ORDER.get(p[0], 9), p[1]),
+        )
+        for mode, policy in pairs:
+            cells = {
+                r["budget"]: r for r in rows if (r["compact_on"], r["policy"]) == (mode, policy)
+            }
+            values = []
+            for b in budgets:
+                cell = cells.get(b)
+                if cell is None:
+                    values.append("")
+                elif cell.get("error"):
+                    values.append("refused")
+                else:
+                    flag = "" if cell["store_ok"] else " (!)"
+                    values.append(_fmt(cell["accuracy"]) + flag)
+            n = max((c["n"] for c in cells.values()), default=0)
+            wall = [c["cell_s"] for c in cells.values() if c.get("cell_s") is not None]
+            lines.append(
+                f"| {mode} | {policy} | "
+                + " | ".join(values)
+                + f" | {n} | {_fmt(statistics.fmean(wall)) if wall else ''} |"
+            )
+        sections.append("\n".join(lines))
+    refused = [r for r in summary if r.get("error")]
+    if refused:
+        lines = ["### refused configurations", ""]
+        for r in refused:
+            lines.append(
+                f"- {r['model']} {r['compact_on']} {r['policy']} {r['budget']:g}: {r['error']}"
+            )
+        sections.append("\n".join(lines))
+    note = (
+        "(!) = a question's request missed the store or was not compacted; cell s = wall "
+        "time of the engine cell (every task of that context length, engine start included)"
+    )
+    return "\n\n".join([*sections, note]) + "\n"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) -> list[Path]:
+    """One PNG per task: accuracy vs budget per policy, one panel per (model, context) row
+    and mode column; the full cache is a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for task in sorted({r["task"] for r in summary if r["task"]}):
+        rows = [r for r in summary if r["task"] == task and not r.get("error")]
+        panels = sorted({(r["model"], r["context"]) for r in rows})
+        modes = sorted(
+            {r["compact_on"] for r in rows if r["compact_on"] != "none"},
+            key=lambda m: MODE_ORDER.get(m, 9),
+        )
+        if not panels or not modes:
+            continue
+        fig, axes = plt.subplots(
+            len(panels),
+            len(modes),
+            figsize=(4.2 * len(modes), 3.4 * len(panels)),
+            squeeze=False,
+            sharey=True,
+        )
+        for i, (model, context) in enumerate(panels):
+            here = [r for r in rows if (r["model"], r["context"]) == (model, context)]
+            full = [r for r in here if r["compact_on"] == "none"]
+            for j, mode in enumerate(modes):
+                ax = axes[i][j]
+                for r in full:
+                    ax.axhline(r["accuracy"], color="black", linestyle=":", label="full cache")
+                for policy in sorted({r["policy"] for r in here if r["compact_on"] == mode}):
+                    line = sorted(
+                        (r for r in here if (r["compact_on"], r["policy"]) == (mode, policy)),
+                        key=lambda r: r["budget"],
+                    )
+                    ax.plot(
+                        [r["budget"] for r in line],
+                        [r["accuracy"] for r in line],
+                        marker="o",
+                        label=policy,
+                    )
+                ax.set_xscale("log")
+                budgets = sorted({r["budget"] for r in here if r["compact_on"] == mode})
+                ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+                ax.minorticks_off()
+                ax.set_ylim(-0.05, 1.05)
+                ax.set_title(f"{model} {context} compact_on={mode}", fontsize=9)
+                ax.set_xlabel("budget (kept fraction)")
+                if j == 0:
+                    ax.set_ylabel(f"{task} accuracy")
+                ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}_{task}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+ROW_ID = (*KEY, "sample", "question")
+
+
+def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One payload from several runs' JSON: their rows (a row already present, e.g. the
+    same full-cache baseline in two runs, is kept once), summary and commands."""
+    seen: set[tuple[Any, ...]] = set()
+    rows: list[dict[str, Any]] = []
+    for payload in payloads:
+        for row in payload["samples"]:
+            key = tuple(row.get(k) for k in ROW_ID)
+            if key in seen and row.get("task") is not None:
+                continue
+            seen.add(key)
+            rows.append(row)
+    return {
+        "commands": [p.get("command") for p in payloads],
+        "engine": "vllm",
+        "configs": [p.get("config") for p in payloads],
+        "elapsed_s": sum(p.get("elapsed_s", 0.0) for p in payloads),
+        "results": summarize(rows),
+        "samples": rows,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lmcompact.eval.vllm_report --json OUT IN.json ...``: merge runs, write the
+    JSON, the markdown table and the plots next to it."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("inputs", nargs="+", help="JSON files of lmcompact eval --engine vllm")
+    parser.add_argument("--json", required=True, help="merged JSON to write")
+    args = parser.parse_args(argv)
+    payload = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+    out = Path(args.json)
+    out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    table = markdown(payload["results"])
+    out.with_suffix(".md").write_text(table)
+    plot(payload["results"], out.parent, out.stem)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,313 @@
+"""Quality through the real vLLM connector (``lmcompact eval --engine vllm``).
+
+Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32) with
+``LMCompactMemoryConnector``, in one of three modes (the ``compact_on`` column of a row):
+
+``save``
+    A first request holding the context alone computes it and stores it compacted (the
+    policy's observation window is the end of the context: no question exists yet). Every
+    question request (context + question) then loads the compacted prefix from the store
+    and computes only its question.
+``load``
+    The first request stores the context whole (``"compact_on": "load"``); every question
+    request loads it whole and packs it in place at its prefill end, with the question as
+    the observation window; the freed blocks go back to vLLM's pool.
+``inplace``
+    No store: every question request computes the whole prompt and packs it in place.
+
+A full-cache row (policy ``none``, ``compact_on`` ``none``) comes from a plain engine on
+the same prompts. One engine serves all prompts of a (model, context length, mode, policy,
+budget) cell; its store namespace is fresh (a per-cell ``model_id``) and every context
+differs, so a hit is always on what the cell itself stored. Each row records the store
+hits and packs its request caused, so a miss cannot pass for a compacted answer.
+
+Tasks: ``multi_needle`` (one context, one labelled needle per depth, one question per
+needle: :func:`lmcompact.eval.tasks.build_stored_context`) and ``needle`` (one needle and
+one question per context, a context per depth).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcompact.eval import tasks
+from lmcompact.eval.text import text_stream
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("multi_needle", "needle")
+MODES = ("save", "load", "inplace")
+BASELINE = "none"
+"""``compact_on`` of the full-cache rows (no connector)."""
+CONNECTOR = "LMCompactMemoryConnector"
+
+
+@dataclass
+class VllmEvalConfig:
+    """What one ``lmcompact eval --engine vllm`` run measures (validated on creation).
+
+    Attributes:
+        models: prepared model names or folders.
+        policies: policy names (the connector refuses those it cannot run in vLLM).
+        budgets: kept fractions in (0, 1).
+        contexts: context lengths in tokens (multiples of ``chunk_size`` store whole).
+        samples: contexts per cell and depth (``needle``) or per cell (``multi_needle``).
+        depths: needle depths; ``multi_needle`` puts one needle per depth into one context.
+        tasks: subset of :data:`TASKS`.
+        modes: subset of :data:`MODES`.
+        new_tokens: greedy tokens per question.
+        chunk_size: store chunk, tokens.
+        window: observation-window queries.
+        seed: picks texts, passkeys and colors.
+    """
+
+    models: list[str] = field(default_factory=lambda: ["smollm2"])
+    policies: list[str] = field(default_factory=lambda: ["snapkv"])
+    budgets: list[float] = field(default_factory=lambda: [0.5, 0.25])
+    contexts: list[int] = field(default_factory=lambda: [2048])
+    samples: int = 5
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    tasks: list[str] = field(default_factory=lambda: ["multi_needle"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    new_tokens: int = 10
+    chunk_size: int = 256
+    window: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"unknown tasks {bad or self.tasks}; allowed: {', '.join(TASKS)}")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(
+                f"unknown --compact-on modes {bad or self.modes}; allowed: {', '.join(MODES)}"
+            )
+        for budget in self.budgets:
+            if not 0.0 < budget < 1.0:
+                raise ValueError(f"budgets must be ratios in (0, 1), got {budget}")
+        for context in self.contexts:
+            if context < 2 * self.chunk_size:
+                raise ValueError(f"context must be >= {2 * self.chunk_size} tokens, got {context}")
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError(f"depths must be in [0, 1], got {self.depths}")
+        if self.samples < 1 or self.new_tokens < 1:
+            raise ValueError(
+                f"samples and new_tokens must be >= 1, got {self.samples}, {self.new_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stored context and the questions asked against it."""
+
+    task: str
+    context: int
+    sample: int
+    stored: tasks.StoredContext
+
+
+def build_cases(tokenizer: Any, config: VllmEvalConfig, context: int) -> list[Case]:
+    """Deterministic contexts of one length for every task."""
+    cases = []
+    for task in config.tasks:
+        for index in range(config.samples):
+            seed = config.seed * 1000 + index
+            if task == "multi_needle":
+                stored = tasks.build_stored_context(
+                    tokenizer, context, seed, config.depths, text_stream(seed)
+                )
+                cases.append(Case(task, context, index, stored))
+                continue
+            for d, depth in enumerate(config.depths):
+                cseed = seed * 10 + d
+                stored = tasks.build_stored_context(
+                    tokenizer, context, cseed, [depth], text_stream(cseed)
+                )
+                cases.append(Case(task, context, index, stored))
+    return cases
+
+
+def connector_extra(
+    mode: str, policy: str, budget: float, config: VllmEvalConfig, namespace: str
+) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of one cell (saves inline, so a question always finds
+    what the first request stored)."""
+    extra: dict[str, Any] = {
+        "policy": policy,
+        "budget": budget,
+        "chunk_size": config.chunk_size,
+        "window": config.window,
+        "async_save": False,
+        "model_id": namespace,
+    }
+    if mode == "save":
+        extra.update(compact_on="save", memory={"prefill": "off"})
+    elif mode == "load":
+        extra.update(compact_on="load", memory={"prefill": "pack"})
+    elif mode == "inplace":
+        extra.update(save=False, load=False, memory={"prefill": "pack"})
+    else:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    return extra
+
+
+def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
+    """``(mode, policy, budget)`` of every compacted cell, baseline first."""
+    yield BASELINE, BASELINE, 1.0
+    for mode in config.modes:
+        for policy in config.policies:
+            for budget in config.budgets:
+                yield mode, policy, budget
+
+
+def count_questions(cases: list[Case]) -> int:
+    return sum(len(c.stored.question_ids) for c in cases)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def run_cell(
+    llm: Any,
+    tokenizer: Any,
+    cases: list[Case],
+    mode: str,
+    config: VllmEvalConfig,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Every case through one engine; one row per question.
+
+    Row fields: ``task, context, sample, question, accuracy, answer, passkey, seconds``
+    and the connector counters this question's request moved (``hit_chunks``,
+    ``expected_hit_chunks``, ``packs``, ``blocks_released``, ``holes_adopted``,
+    ``pack_s``); ``warm_s`` is the first request's time (store modes).
+    """
+    from connectors import offline
+
+    rows: list[dict[str, Any]] = []
+    stored_modes = ("save", "load")
+    for case in cases:
+        warm_s = None
+        if mode in stored_modes:
+            before = offline.request_counters(llm)
+            warm = offline.generate(llm, case.stored.context_ids, max_tokens=1)
+            after = offline.request_counters(llm)
+            warm_s = warm.seconds
+            if _delta(after, before, "hit_chunks"):
+                logger.error(
+                    "the first request of %s sample %d hit the store: the namespace is not fresh",
+                    case.task,
+                    case.sample,
+                )
+        expected = len(case.stored.context_ids) // config.chunk_size if mode in stored_modes else 0
+        for q, needle in enumerate(case.stored.needles):
+            before = offline.request_counters(llm)
+            out = offline.generate(llm, case.stored.prompt(q), config.new_tokens)
+            after = offline.request_counters(llm)
+            text = tokenizer.decode(out.token_ids)
+            row = {
+                "task": case.task,
+                "context": case.context,
+                "sample": case.sample,
+                "question": q,
+                "depth": needle.depth,
+                "passkey": needle.passkey,
+                "answer": text,
+                "accuracy": tasks.score_needle(text, needle.passkey),
+                "seconds": out.seconds,
+                "warm_s": warm_s,
+                "expected_hit_chunks": expected,
+            }
+            for key in ("hit_chunks", "packs", "blocks_released", "holes_adopted", "pack_s"):
+                row[key] = _delta(after, before, key)
+            if row["hit_chunks"] != expected:
+                logger.error(
+                    "%s: question %d of %s sample %d hit %d chunks, expected %d",
+                    mode,
+                    q,
+                    case.task,
+                    case.sample,
+                    row["hit_chunks"],
+                    expected,
+                )
+            rows.append(row)
+            if progress is not None:
+                progress.update(1)
+    return rows
+
+
+def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
+    """Every (model, context, cell); rows carry ``engine, model, policy, budget,
+    compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
+    from connectors import offline
+
+    offline.in_process_env(kv_cache_gib=1)
+    from transformers import AutoTokenizer
+
+    from lmcompact.hf.prepare import prepare_model
+
+    rows: list[dict[str, Any]] = []
+    for model in config.models:
+        folder = str(prepare_model(model))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        for context in config.contexts:
+            cases = build_cases(tokenizer, config, context)
+            per_cell = count_questions(cases)
+            all_cells = list(cells(config))
+            bar = (
+                progress_factory(total=per_cell * len(all_cells), desc=f"{model} {context}")
+                if progress_factory is not None
+                else None
+            )
+            for mode, policy, budget in all_cells:
+                began = time.perf_counter()
+                namespace = f"eval-{uuid.uuid4().hex[:12]}"
+                extra = (
+                    None
+                    if mode == BASELINE
+                    else connector_extra(mode, policy, budget, config, namespace)
+                )
+                base = {
+                    "engine": "vllm",
+                    "impl": "lmcompact",
+                    "model": model,
+                    "policy": policy,
+                    "budget": budget,
+                    "compact_on": mode,
+                }
+                try:
+                    llm = offline.build_llm(
+                        folder,
+                        extra,
+                        max_model_len=context + 64 + config.new_tokens,
+                        connector=CONNECTOR,
+                    )
+                except Exception as error:  # a refused config is a result, not a crash
+                    logger.error("%s %s %s refused: %s", mode, policy, budget, error)
+                    rows.append(
+                        {**base, "context": context, "task": None, "error": str(error)[:500]}
+                    )
+                    if bar is not None:
+                        bar.update(per_cell)
+                    continue
+                try:
+                    cell_rows = run_cell(llm, tokenizer, cases, mode, config, bar)
+                finally:
+                    offline.shutdown(llm)
+                    del llm
+                    import gc
+
+                    gc.collect()
+                seconds = time.perf_counter() - began
+                logger.info("cell %s %s %s: %.1f s", mode, policy, budget, seconds)
+                rows += [{**base, **r, "cell_s": seconds} for r in cell_rows]
+            if bar is not None:
+                bar.close()
+    return rows

@@ -1,0 +1,123 @@
+"""Expected Attention: score keys by the attention future queries are expected to pay."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+
+logger = logging.getLogger(__name__)
+
+_unrotated_logged = False
+
+
+def _log_unrotated() -> None:
+    global _unrotated_logged
+    _unrotated_logged = True
+    logger.info(
+        "expected_attention: no RoPE facts from the integration; the window queries' "
+        "statistics are used without rotating them to future positions"
+    )
+
+
+@dataclass
+class ExpectedAttention(ScorePolicy):
+    """Keep the keys with the highest expected attention from future queries.
+
+    Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention
+    from Future Queries Distribution", https://arxiv.org/abs/2510.00636. Future
+    queries are modelled per query head as a Gaussian ``q ~ N(mu, Sigma)`` estimated
+    from the observation window's queries; then ``E[exp(scale q.k)] = exp(scale mu.k
+    + scale^2 k^T Sigma k / 2)``, normalized over the keys (a softmax), averaged over
+    the query heads of each KV group and multiplied by ``||v||`` (plus ``epsilon``).
+
+    Position: queries are post-RoPE. With ``inputs.rope`` each window query is turned
+    back to its pre-RoPE vector (``R(-p) q``), the statistics are taken there, and the
+    mean and covariance are rotated by the rotation averaged over the next
+    ``n_future_positions`` positions after the window (``M = mean_d R(p_end + d)``:
+    ``mu' = M mu``, ``Sigma' = M Sigma M^T``), as the paper does. Without a rope the
+    post-RoPE statistics are used as they are (logged once).
+
+    Shapes: window_queries ``(Hq, W, D)``, query_positions ``(W,)``, keys / values
+    ``(H, T, D)`` -> scores ``(H, T)``; the first ``n_sink`` positions score +inf.
+    Needs no attention over the prompt, so it works on any chunk of keys alone.
+
+    Attributes:
+        n_future_positions: Future positions the rotation is averaged over.
+        n_sink: Initial positions always kept (outliers the Gaussian does not model).
+        use_covariance: Include the ``k^T Sigma k`` term.
+        use_vnorm: Multiply by the value norm.
+        epsilon: Added to the normalized scores before the value-norm product.
+    """
+
+    name = "expected_attention"
+    needs = Need.KEYS | Need.WINDOW_QUERIES
+    phases = Phase.PREFILL
+
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_future_positions < 1:
+            raise ValueError(f"n_future_positions must be >= 1, got {self.n_future_positions}")
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+
+    def query_statistics(
+        self, queries: torch.Tensor, inputs: CompactionInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mean ``(Hq, D)`` and covariance ``(Hq, D, D)`` of the future queries (float64)."""
+        q = queries.detach().double()
+        positions = inputs.query_positions
+        assert positions is not None  # check_inputs ran
+        rope = inputs.rope
+        if rope is not None:
+            q = rope.rotate(q, -positions.to(q.device).double())
+        elif not _unrotated_logged:
+            _log_unrotated()
+        mu = q.mean(dim=1)
+        cov = None
+        if self.use_covariance:
+            centered = q - mu.unsqueeze(1)
+            cov = centered.transpose(1, 2) @ centered / q.shape[1]
+        if rope is not None:
+            first = float(positions.max()) + 1.0
+            future = first + torch.arange(self.n_future_positions, dtype=torch.float64)
+            m = rope.mean_rotation(future, q.shape[-1]).to(q.device)
+            mu = mu @ m.T
+            if cov is not None:
+                cov = m @ cov @ m.T
+        return mu, cov
+
+    def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
+        obs = inputs.layers[layer]
+        assert obs.keys is not None and obs.window_queries is not None  # check_inputs ran
+        keys = obs.keys.detach().double()
+        h, t, d = keys.shape
+        group = obs.window_queries.shape[0] // h
+        mu, cov = self.query_statistics(obs.window_queries.to(keys.device), inputs)
+        scale = inputs.attention_scale or 1.0 / math.sqrt(d)
+        k = keys.repeat_interleave(group, dim=0)  # (Hq, T, D)
+        logits = scale * torch.einsum("htd,hd->ht", k, mu)
+        if cov is not None:
+            logits = logits + scale**2 / 2 * ((k @ cov) * k).sum(dim=-1)
+        valid = inputs.valid_or_all().to(keys.device).repeat_interleave(group, dim=0)
+        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+        scores = probs.view(h, group, t).mean(dim=1)
+        if self.use_vnorm:
+            assert obs.values is not None
+            scores = (scores + self.epsilon) * torch.linalg.vector_norm(
+                obs.values.detach().double(), dim=-1
+            )
+        sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
+        return scores.masked_fill(sinks & inputs.valid_or_all().to(keys.device), float("inf"))

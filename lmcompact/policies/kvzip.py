@@ -1,0 +1,115 @@
+"""KVzip-style query-agnostic scores: the most attention each key gets from prompt queries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmcompact.policies._select import pool_scores
+from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+
+
+def sample_query_positions(length: int, max_queries: int, window: int) -> torch.Tensor:
+    """``(S,)`` sorted prompt positions whose queries score the keys.
+
+    Every position when ``length <= max_queries``; otherwise the last ``window``
+    positions and every ``stride``-th one before them (the ones that end a stride, so
+    each sees the ``stride`` keys before it), ``S <= max_queries``.
+    """
+    if length <= 0:
+        raise ValueError(f"length must be > 0, got {length}")
+    if length <= max_queries:
+        return torch.arange(length)
+    tail = min(window, max_queries)
+    head_len = length - tail
+    room = max_queries - tail
+    if room <= 0:
+        return torch.arange(head_len, length)
+    stride = math.ceil(head_len / room)
+    head = torch.arange(stride - 1, head_len, stride)
+    return torch.cat([head, torch.arange(head_len, length)])
+
+
+@dataclass
+class KVzip(ScorePolicy):
+    """Keep the keys that some prompt query attends to most (query-agnostic).
+
+    In the spirit of Kim et al., "KVzip: Query-Agnostic KV Cache Compression with
+    Context Reconstruction", https://arxiv.org/abs/2505.23416. KVzip runs a second
+    forward pass, "Repeat the previous context:" followed by the context, and scores
+    each key by the largest softmax attention weight any reconstruction query (and
+    any query head of its GQA group) gives it; keys the model needs to reproduce the
+    context are kept, whatever the future question is.
+
+    Here no second pass runs (a vLLM connector cannot run one inside the engine's
+    step). The queries are the prompt's own prefill queries, sampled across the whole
+    prompt (:meth:`context_queries`: all of them up to ``max_queries``, else every
+    ``stride``-th plus the last ``window``), captured where the engine computes them.
+    With ``repeat`` (default) each sampled query is moved by RoPE to position
+    ``T + p`` (:meth:`context_shift`), where its token would sit in a repeat of the
+    context, and sees every key, softmax-normalized over all of them: an induction head
+    then reads the key *after* the query's own token, as in a reconstruction, and every
+    query has the same number of keys (no bias towards early keys). Without RoPE facts,
+    or with ``repeat=False``, queries score causally (keys at or before their position,
+    normalized over those, as the prefill did). Aggregation is KVzip's: the max over
+    queries and over the GQA group (a sum would favour keys more queries see). Then a
+    max-pool of width ``kernel_size`` along the sequence (as SnapKV does; a number is
+    several tokens, and a digit that scores low next to one that scores high comes
+    along), and the first ``n_sink`` positions are always kept.
+
+    Cost: ``S x T`` query-key products per layer and query head on top of the prefill
+    (README: measured on SmolLM2 at 2k / 4k on the CPU). Differences from the paper:
+    the queries are the prefill's (same tokens, hidden states without the "repeat"
+    instruction), not a real reconstruction pass; the chunk and layer budgets are
+    uniform per (layer, head) instead of KVzip's head-adaptive global top-k.
+
+    Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
+
+    Attributes:
+        n_sink: Initial positions always kept (attention sinks).
+        window: Last prompt queries always sampled.
+        max_queries: Most prompt queries sampled (>= ``window``).
+        repeat: Score the queries as a repeat of the context after it (needs RoPE
+            facts from the integration; else causal).
+        kernel_size: Max-pool width along the sequence, odd (1: none).
+    """
+
+    name = "kvzip"
+    needs = Need.CONTEXT_SCORES
+    phases = Phase.PREFILL
+
+    n_sink: int = 4
+    window: int = 32
+    max_queries: int = 1024
+    repeat: bool = True
+    kernel_size: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
+        if self.max_queries < max(1, self.window):
+            raise ValueError(
+                f"max_queries must be >= max(1, window={self.window}), got {self.max_queries}"
+            )
+
+    def context_queries(self, length: int) -> torch.Tensor:
+        return sample_query_positions(length, self.max_queries, self.window)
+
+    def context_shift(self, length: int) -> int | None:
+        return length if self.repeat else None
+
+    def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
+        scores = inputs.layers[layer].context_scores
+        assert scores is not None  # check_inputs ran
+        sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
+        raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
+        pooled = pool_scores(raw, self.kernel_size, "maxpool")
+        # pooling makes a peak's neighbours tie with it; the raw score breaks such ties
+        return (pooled + raw * 1e-6).masked_fill(sinks, float("inf"))

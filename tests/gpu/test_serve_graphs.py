@@ -1,0 +1,223 @@
+"""The memory connector inside vLLM with CUDA graphs on (skipped without CUDA and vLLM).
+
+A small Llama with transformers' initialisation (std 0.02) is saved on the device and
+loaded with its real weights (vLLM's ``load_format="dummy"`` gives near-zero weights
+whose greedy tokens barely depend on the prompt). With CUDA graphs on (vLLM's default;
+the connector asks for piecewise graphs):
+
+* policy ``none`` through ``LMCompactMemoryConnector`` gives the baseline's tokens;
+* after a SnapKV pack on the GPU, the next token's log-probabilities match a dense float32
+  reference (transformers' weights, a hand-written decode step) that attends, per
+  (layer, kv head), to exactly the tokens the pack kept plus the unpacked tail; and they
+  are closer to it than to the same reference over the whole prompt.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+        reason="needs CUDA and vLLM",
+    ),
+]
+
+BS = 32
+PROMPT = 1000  # 31 full blocks packed, 8 tail tokens
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 2, 64, 4096
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama-std002")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=1024,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model = model.to(dtype=torch.bfloat16)  # type: ignore[arg-type,call-arg]
+    model.save_pretrained(folder)
+    return folder
+
+
+@contextmanager
+def engine(model: Path, extra: dict[str, Any] | None) -> Iterator[Any]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if extra is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCompactMemoryConnector",
+            kv_connector_module_path="connectors.memory.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        block_size=BS,
+        max_model_len=2048,
+        gpu_memory_utilization=0.3,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        seed=0,
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def prompt(seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, VOCAB - 10, (PROMPT,), generator=gen).tolist()
+
+
+def generate(llm: Any, ids: list[int], max_tokens: int, logprobs: int = 0) -> Any:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=logprobs or None,
+    )
+    return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_policy_none_equals_baseline_with_graphs(model_dir: Path) -> None:
+    prompts = [prompt(1), prompt(2)]
+    with engine(model_dir, None) as llm:
+        base = [list(generate(llm, ids, 24).token_ids) for ids in prompts]
+    extra = {"policy": "none", "save": False, "load": False, "memory": {"prefill": "auto"}}
+    with engine(model_dir, extra) as llm:
+        got = [list(generate(llm, ids, 24).token_ids) for ids in prompts]
+    assert got == base
+    assert len({tuple(t) for t in base}) == 2  # the prompt matters to this model
+
+
+def _cache_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def dense_next_logprobs(
+    model: Any, ids: list[int], token: int, kept: list[list[torch.Tensor]] | None
+) -> torch.Tensor:
+    """``(V,)`` float32 log-probabilities of the token after ``ids + [token]``, attending per
+    (layer, kv head) to ``kept[layer][head]`` (original positions) of the prompt, or to all
+    of it (``kept`` None), plus the new token itself."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids], device="cuda"), use_cache=True)
+        x = model.model.embed_tokens(torch.tensor([[token]], device="cuda"))
+        pos = torch.tensor([[len(ids)]], device="cuda")
+        cos, sin = model.model.rotary_emb(x, pos)
+        group = HEADS // KV_HEADS
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, 1, HEADS, HEAD_DIM).transpose(1, 2)
+            k = attn.k_proj(h).view(1, 1, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            v = attn.v_proj(h).view(1, 1, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys, values = _cache_kv(out.past_key_values, index)  # (1, Hkv, P, D)
+            heads = []
+            for qh in range(HEADS):
+                g = qh // group
+                rows = torch.arange(len(ids), device="cuda") if kept is None else kept[index][g]
+                kk = torch.cat([keys[0, g, rows], k[0, g]])
+                vv = torch.cat([values[0, g, rows], v[0, g]])
+                p = torch.softmax(q[0, qh] @ kk.T * HEAD_DIM**-0.5, dim=-1)
+                heads.append(p @ vv)
+            x = x + attn.o_proj(torch.cat(heads, dim=-1).view(1, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = model.lm_head(model.model.norm(x))[0, -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from connectors.memory.device_pack import DevicePacker
+
+    recorded: list[torch.Tensor] = []
+    original = DevicePacker.pack
+
+    def pack(self: DevicePacker, *args: Any, **kwargs: Any) -> torch.Tensor:
+        index = original(self, *args, **kwargs)
+        recorded.append(index.cpu())
+        return index
+
+    ids = prompt(3)
+    extra = {
+        "policy": "snapkv",
+        "budget": 0.25,
+        "save": False,
+        "load": False,
+        "window": 32,
+        "memory": {"prefill": "pack"},
+    }
+    DevicePacker.pack = pack  # type: ignore[method-assign]
+    try:
+        with engine(model_dir, extra) as llm:
+            warm = len(recorded)  # start-up warm-up packs
+            out = generate(llm, ids, 3, logprobs=20)
+    finally:
+        DevicePacker.pack = original  # type: ignore[method-assign]
+    assert len(recorded) == warm + 1, "the request was not packed on the GPU"
+    index = recorded[-1]  # (L, Hkv, K) over [0, 992)
+    assert index.shape == (LAYERS, KV_HEADS, 8 * BS)
+    tail = torch.arange(31 * BS, PROMPT)
+    kept = [
+        [torch.cat([index[layer, head], tail]).cuda() for head in range(KV_HEADS)]
+        for layer in range(LAYERS)
+    ]
+    loaded: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = loaded.cuda().eval()
+    first = int(out.token_ids[0])
+    ref_kept = dense_next_logprobs(model, ids, first, kept)
+    ref_full = dense_next_logprobs(model, ids, first, None)
+    entry = out.logprobs[1]
+    tokens = torch.tensor(list(entry.keys()), device="cuda")
+    got = torch.tensor([lp.logprob for lp in entry.values()], device="cuda")
+    err_kept = float((got - ref_kept[tokens]).abs().max())
+    err_full = float((got - ref_full[tokens]).abs().max())
+    print(f"max |logprob - ref|: kept {err_kept:.4f}, full prompt {err_full:.4f}")
+    assert err_kept < 0.1
+    assert err_kept < err_full
+    assert int(out.token_ids[1]) == int(ref_kept.argmax())

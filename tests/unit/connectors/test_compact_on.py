@@ -1,0 +1,80 @@
+"""The ``compact_on`` option: stored chunks whole at ``load``, never in a compacted namespace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connectors.config import ConnectorConfig, validate_against_engine
+from connectors.lmcompact_connector import build_namespace
+from connectors.memory.config import split_extra
+from connectors.vllm_shim import EngineFacts
+
+FACTS = EngineFacts(
+    model_id="m",
+    block_size=32,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    dtype=torch.float32,
+    prefix_caching=False,
+    device_type="cpu",
+)
+
+
+def test_compact_on_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"compact_on must be one of \['save', 'load'\]"):
+        ConnectorConfig.from_extra({"policy": "snapkv", "compact_on": "later"})
+
+
+def test_load_stores_whole_chunks_in_the_namespace_of_policy_none() -> None:
+    load = ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25, "compact_on": "load"})
+    save = ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25})
+    none = ConnectorConfig.from_extra({"policy": "none"})
+    assert load.compacts and not load.store_compacts
+    assert save.store_compacts
+    assert load.kept_per_chunk(32) == load.chunk_size
+    assert save.kept_per_chunk(32) == 64
+    assert load.store_policy().name == "none"
+    assert save.store_policy().name == "snapkv"
+    digest = {
+        name: build_namespace(c, FACTS).digest()
+        for name, c in (("load", load), ("save", save), ("none", none))
+    }
+    assert digest["load"] == digest["none"]  # whole chunks are the same bytes
+    assert digest["save"] != digest["none"]  # compacted chunks never mix with whole ones
+    other = ConnectorConfig.from_extra({"policy": "knorm", "budget": 0.5, "compact_on": "load"})
+    assert build_namespace(other, FACTS).digest() == digest["none"]
+
+
+def test_load_still_checks_the_policy_shape() -> None:
+    config = ConnectorConfig.from_extra(
+        {"policy": "snapkv", "budget": 0.25, "chunk_size": 64, "compact_on": "load"}
+    )
+    validate_against_engine(
+        config, block_size=32, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=False
+    )
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        validate_against_engine(
+            config, block_size=32, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=True
+        )
+    adakv = ConnectorConfig.from_extra({"policy": "adakv", "compact_on": "load"})
+    with pytest.raises(ValueError, match="different numbers of tokens"):
+        validate_against_engine(  # SmolLM2's shape
+            adakv, block_size=32, num_layers=30, num_kv_heads=3, head_dim=64, prefix_caching=False
+        )
+
+
+def test_eval_modes_are_valid_connector_options() -> None:
+    from connectors.memory.planner import PrefillMode
+    from lmcompact.eval.vllm_runner import MODES, VllmEvalConfig, connector_extra
+
+    config = VllmEvalConfig()
+    for mode in MODES:
+        extra = connector_extra(mode, "snapkv", 0.25, config, "ns")
+        base, memory = split_extra(extra)
+        parsed = ConnectorConfig.from_extra(base)
+        pack = memory.prefill_mode(parsed.policy, parsed.compacts)
+        assert parsed.store_compacts == (mode == "save") or mode == "inplace"  # inplace: no store
+        assert (pack is PrefillMode.PACK) == (mode != "save")
+        assert (parsed.save and parsed.load) == (mode != "inplace")

@@ -1,0 +1,99 @@
+"""The save path with query-agnostic policies: sampled queries and window queries in a job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from connectors.compaction import SaveJob, compact_job
+from connectors.config import ConnectorConfig, validate_against_engine
+from connectors.kv_layout import CpuPageLayout
+from lmcompact.attention.rope import Rope
+from lmcompact.attention.scores import context_scores
+from lmcompact.policies import make_policy
+from lmcompact.store import ChunkKeyer, StoreNamespace
+
+BS, H, D, LAYERS, CHUNK = 32, 2, 16, 2, 64
+NEEDLE = 64 + 21  # in the second chunk
+
+
+def _job(queries: list[torch.Tensor], positions: torch.Tensor, window: int, **kw: object):  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(0)
+    layout = CpuPageLayout(BS)
+    keys = [torch.randn(H, 3 * BS * 2, D, generator=generator) * 0.05 for _ in range(LAYERS)]
+    for k in keys:
+        k[:, NEEDLE] = torch.nn.functional.normalize(torch.ones(D), dim=0)
+    values = [torch.randn(H, 3 * BS * 2, D, generator=generator) for _ in range(LAYERS)]
+    pages = [layout.tokens_to_pages(k, v) for k, v in zip(keys, values, strict=True)]
+    chunk_keys = ChunkKeyer(StoreNamespace("m", "float32", "rows"), CHUNK).keys(list(range(192)))
+    job = SaveJob("r", chunk_keys, 0, 192, pages, queries, positions, D**-0.5, window=window, **kw)  # type: ignore[arg-type]
+    return job, layout, keys
+
+
+def test_kvzip_job_scores_with_the_sampled_queries_and_keeps_the_needle() -> None:
+    policy = make_policy("kvzip", budget=0.25, n_sink=2, window=8, max_queries=64, kernel_size=1)
+    positions = policy.context_queries(192)
+    assert positions is not None and 32 < positions.numel() <= 64
+    generator = torch.Generator().manual_seed(1)
+    n = positions.numel()
+    queries = [torch.randn(n, 2 * H, D, generator=generator) * 0.05 for _ in range(LAYERS)]
+    reader = int(torch.nonzero(positions > 150)[0])  # a sampled query long after the needle
+    for q in queries:
+        q[reader] = torch.nn.functional.normalize(torch.ones(D), dim=0) * 40.0
+    job, layout, keys = _job(queries, positions, window=8)
+    chunks = compact_job(job, layout, policy, CHUNK, 16)
+    assert len(chunks) == 3
+    for c, (_, chunk) in enumerate(chunks):
+        assert chunk.uniform_count() == 16
+        for layer in range(LAYERS):
+            for head in range(H):
+                _, _, kept = chunk.head(layer, head)
+                absolute = (kept.long() + c * CHUNK).tolist()
+                if c == 0:
+                    assert absolute[:2] == [0, 1]  # the prompt's sinks, not each chunk's
+                if c == 1:
+                    assert NEEDLE in absolute
+                    # scores over the whole span: the chunk keeps its top 16 of them
+                    full = context_scores(
+                        queries[layer].permute(1, 0, 2)[None], keys[layer][None], positions
+                    )[0, head, 64:128]
+                    best = set(torch.topk(full.double(), 16).indices.tolist())
+                    assert best == set(kept.tolist())
+
+
+def test_expected_attention_job_reads_the_window_queries_only() -> None:
+    """Captured rows hold a sample and the window; the statistics come from the window."""
+    policy = make_policy("expected_attention", budget=0.25, n_sink=0, n_future_positions=16)
+    positions = torch.cat([torch.arange(0, 160, 10), torch.arange(184, 192)])
+    generator = torch.Generator().manual_seed(2)
+    direction = torch.nn.functional.normalize(torch.ones(D), dim=0)
+    queries = []
+    for _ in range(LAYERS):
+        q = torch.randn(positions.numel(), 2 * H, D, generator=generator)
+        q[-8:] = direction * 6.0 + 0.01 * q[-8:]  # the window looks along ``direction``
+        queries.append(q)
+    job, layout, _ = _job(queries, positions, window=8)
+    chunks = compact_job(job, layout, policy, CHUNK, 16)
+    _, second = chunks[1]
+    for layer in range(LAYERS):
+        for head in range(H):
+            assert NEEDLE - CHUNK in second.head(layer, head)[2].tolist()
+    rotated, _, _ = _job(queries, positions, window=8, rope=Rope.from_theta(1e6, D))
+    assert len(compact_job(rotated, layout, policy, CHUNK, 16)) == 3
+
+
+def test_engine_checks_accept_both_and_need_a_window() -> None:
+    kwargs: dict[str, Any] = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    for name in ("kvzip", "expected_attention"):
+        config = ConnectorConfig.from_extra({"policy": name, "budget": 0.5, "chunk_size": 128})
+        validate_against_engine(config, prefix_caching=False, **kwargs)
+    config = ConnectorConfig.from_extra(
+        {"policy": "expected_attention", "budget": 0.5, "chunk_size": 128, "window": 0}
+    )
+    try:
+        validate_against_engine(config, prefix_caching=False, **kwargs)
+    except ValueError as error:
+        assert "window must be >= 1" in str(error)
+    else:  # pragma: no cover
+        raise AssertionError("window 0 was accepted for expected_attention")

@@ -1,0 +1,135 @@
+"""``--engine vllm`` harness pieces without an engine: contexts, config, summary, plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcompact.eval import tasks, vllm_report
+from lmcompact.eval.text import text_stream
+from lmcompact.eval.vllm_runner import VllmEvalConfig, build_cases, cells
+from tests.unit.hf.test_eval_pieces import CharTokenizer
+
+
+def test_stored_context_has_exact_length_and_one_question_per_fact() -> None:
+    tok = CharTokenizer()
+    stored = tasks.build_stored_context(tok, 4000, 3, [0.1, 0.5, 0.9], text_stream(3))
+    assert len(stored.context_ids) == 4000
+    text = tok.decode(stored.context_ids)
+    places = [text.index(f.sentence) for f in stored.needles]
+    assert places == sorted(places) and places[0] < 800 and places[-1] > 3000
+    assert len({(f.noun, f.owner) for f in stored.needles}) == 3
+    for i, fact in enumerate(stored.needles):
+        prompt = tok.decode(stored.prompt(i))
+        assert prompt.startswith(text)
+        assert prompt.endswith(f"{fact.question} {fact.answer_prefix}")
+        assert fact.passkey in fact.sentence and fact.passkey not in fact.question
+    again = tasks.build_stored_context(tok, 4000, 3, [0.1, 0.5, 0.9], text_stream(3))
+    assert again == stored
+
+
+def test_stored_context_rejects_what_cannot_fit() -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        tasks.build_stored_context(CharTokenizer(), 120, 0, [0.2, 0.8], text_stream(0))
+    with pytest.raises(ValueError, match="at most 8"):
+        tasks.make_facts(0, [0.5] * 9)
+
+
+def test_cases_per_task() -> None:
+    config = VllmEvalConfig(
+        contexts=[600], chunk_size=256, samples=2, tasks=["multi_needle", "needle"]
+    )
+    cases = build_cases(CharTokenizer(), config, 600)
+    multi = [c for c in cases if c.task == "multi_needle"]
+    single = [c for c in cases if c.task == "needle"]
+    assert len(multi) == 2 and all(len(c.stored.needles) == 3 for c in multi)
+    assert len(single) == 6 and all(len(c.stored.needles) == 1 for c in single)
+    assert sorted(c.stored.needles[0].depth for c in single) == [0.1, 0.1, 0.5, 0.5, 0.9, 0.9]
+    assert next(iter(cells(config))) == ("none", "none", 1.0)
+    assert len(list(cells(config))) == 1 + 3 * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tasks": ["ppl"]}, "unknown tasks"),
+        ({"modes": ["later"]}, "--compact-on"),
+        ({"budgets": [1.0]}, r"\(0, 1\)"),
+        ({"contexts": [256]}, ">= 512"),
+        ({"depths": [1.5]}, r"\[0, 1\]"),
+    ],
+)
+def test_config_is_validated(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        VllmEvalConfig(**kwargs)
+
+
+def _row(mode: str, policy: str, budget: float, accuracy: float, **extra: Any) -> dict[str, Any]:
+    honest = {
+        "none": {},
+        "save": {"hit_chunks": 8, "expected_hit_chunks": 8, "holes_adopted": 1},
+        "load": {"hit_chunks": 8, "expected_hit_chunks": 8, "packs": 1, "blocks_released": 48},
+        "inplace": {"packs": 1, "blocks_released": 48},
+    }[mode]
+    return {
+        "engine": "vllm",
+        "model": "smollm2",
+        "task": "multi_needle",
+        "context": 2048,
+        "compact_on": mode,
+        "policy": policy,
+        "budget": budget,
+        "accuracy": accuracy,
+        "seconds": 1.0,
+        "cell_s": 10.0,
+        **honest,
+        **extra,
+    }
+
+
+def test_summary_flags_misses_and_draws_one_panel_per_mode(tmp_path: Path) -> None:
+    rows = [
+        _row("none", "none", 1.0, 1.0),
+        _row("none", "none", 1.0, 0.0),
+        _row("save", "snapkv", 0.25, 0.0),
+        _row("save", "snapkv", 0.25, 1.0, hit_chunks=0),  # a miss must not pass
+        _row("load", "snapkv", 0.25, 1.0),
+        _row("load", "snapkv", 0.25, 1.0),
+        _row("inplace", "snapkv", 0.25, 1.0, packs=0),  # not compacted
+        {**_row("inplace", "knorm", 0.5, 0.0), "task": None, "error": "refused: reason"},
+    ]
+    summary = vllm_report.summarize(rows)
+    by = {(r["compact_on"], r["policy"]): r for r in summary}
+    assert by[("none", "none")]["accuracy"] == 0.5 and by[("none", "none")]["n"] == 2
+    assert by[("save", "snapkv")]["store_ok"] is False
+    assert by[("load", "snapkv")]["store_ok"] is True
+    assert by[("inplace", "snapkv")]["store_ok"] is False
+    table = vllm_report.markdown(summary)
+    assert "| load | snapkv | 1 | 2 |" in table
+    assert "| save | snapkv | 0.5 (!) |" in table
+    assert "refused: reason" in table
+    paths = vllm_report.plot(summary, tmp_path, "t")
+    assert [p.name for p in paths] == ["t_multi_needle.png"] and paths[0].stat().st_size > 0
+
+
+def test_merge_keeps_a_repeated_baseline_once(tmp_path: Path) -> None:
+    first = [
+        {**_row("none", "none", 1.0, 1.0), "sample": 0, "question": 0},
+        {**_row("save", "snapkv", 0.25, 0.0), "sample": 0, "question": 0},
+    ]
+    second = [
+        {**_row("none", "none", 1.0, 1.0), "sample": 0, "question": 0},
+        {**_row("save", "kvzip", 0.25, 1.0), "sample": 0, "question": 0},
+    ]
+    merged = vllm_report.merge(
+        [{"command": "a", "samples": first}, {"command": "b", "samples": second}]
+    )
+    assert merged["commands"] == ["a", "b"]
+    assert len(merged["samples"]) == 3
+    assert {(r["policy"], r["n"]) for r in merged["results"]} == {
+        ("none", 1),
+        ("snapkv", 1),
+        ("kvzip", 1),
+    }
