@@ -56,12 +56,17 @@ class LMCompactWorkerMetadata(shim.KVConnectorWorkerMetadata):  # type: ignore[m
 
 
 def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
+    params = config.namespace_params()
+    if config.store_compacts and facts.sliding_window is not None:
+        # sliding-window layers store each chunk's most recent rows (connectors/holes.py);
+        # chunks stored before that must not load as if they did
+        params["sliding_rows"] = "recent"
     return StoreNamespace(
         model_id=config.model_id or facts.model_id,
         kv_dtype=str(facts.dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
         policy_name=config.store_policy_name,
-        policy_params=config.namespace_params(),
+        policy_params=params,
     )
 
 

@@ -99,6 +99,7 @@ class EngineFacts:
     dtype: torch.dtype
     prefix_caching: bool
     device_type: str
+    sliding_window: int | None = None
 
     @property
     def layout_name(self) -> str:
@@ -124,7 +125,19 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         dtype=model.dtype,
         prefix_caching=bool(cache.enable_prefix_caching),
         device_type=device_type,
+        sliding_window=_config_sliding_window(model),
     )
+
+
+def _config_sliding_window(model_config: Any) -> int | None:
+    """The model config's sliding window (None when it declares none).
+
+    Only names stored chunks (their sliding-layer rows are each chunk's most recent tokens);
+    which layers slide is read from the attention layers on the worker.
+    """
+    text = getattr(model_config, "hf_text_config", None)
+    window = getattr(text, "sliding_window", None)
+    return int(window) if isinstance(window, int) and window > 0 else None
 
 
 PACKAGE_LOGGERS = ("connectors", "lmcompact")

@@ -254,6 +254,11 @@ class LMCompactMemoryConnector(LMCompactConnector):
             or not DevicePacker.supports(self._policy)
         ):
             return
+        if worker.sliding_layers:
+            # the device pack selects by score on every layer; sliding-window layers must
+            # keep their most recent tokens (plan_pack's recent_layers): the reference packs
+            logger.info("device pack off: the model has sliding-window layers")
+            return
         first = next(iter(worker.layers.values()))
         self.device_packer = DevicePacker(layers, self.facts.block_size, float(first.impl.scale))
         if self.memory.warm_up:

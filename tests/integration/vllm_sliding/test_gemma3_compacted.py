@@ -48,7 +48,7 @@ class Seen:
     """What the engine kept: in-place packs and store loads, in order."""
 
     packs: list[tuple[int, list[list[torch.Tensor]]]] = field(default_factory=list)
-    loads: list[Any] = field(default_factory=list)
+    loads: list[tuple[Any, list[Any]]] = field(default_factory=list)  # (LoadSpec, chunks)
     outputs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
@@ -78,21 +78,23 @@ def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
 
     seen = Seen()
     pack = memory_connector.pack_in_place
-    load = WorkerHalf._load
+    fetch = WorkerHalf._fetch
 
     def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
         chosen = pack(*args, **kwargs)
         seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
         return chosen
 
-    def recording_load(self: WorkerHalf, spec: Any) -> None:
-        seen.loads.append(spec)
-        load(self, spec)
+    def recording_fetch(self: WorkerHalf, spec: Any) -> Any:
+        chunks = fetch(self, spec)
+        if chunks is not None:
+            seen.loads.append((spec, [chunk.clone() for chunk in chunks]))
+        return chunks
 
     prompt = _prompt(gemma3_path)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(memory_connector, "pack_in_place", recording_pack)
-        patch.setattr(WorkerHalf, "_load", recording_load)
+        patch.setattr(WorkerHalf, "_fetch", recording_fetch)
         with memory_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
             seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
             seen.outputs.append(_generate(llm, prompt))  # loaded from the store
@@ -134,8 +136,8 @@ def test_in_place_pack_equals_masked_reference(served: tuple[list[int], Seen], m
 def test_store_load_equals_masked_reference(served: tuple[list[int], Seen], model: Any) -> None:
     prompt, seen = served
     assert len(seen.loads) == 1
-    spec = seen.loads[0]
-    n = len(spec.chunks)
+    spec, chunks = seen.loads[0]
+    n = len(chunks)
     assert spec.start == 0 and n == (len(prompt) - 1) // CHUNK
     sliding = set(_sliding_layers(model))
     kept: list[list[torch.Tensor]] = []
@@ -143,7 +145,7 @@ def test_store_load_equals_masked_reference(served: tuple[list[int], Seen], mode
         heads = []
         for head in range(model.config.num_key_value_heads):
             per_chunk = []
-            for i, chunk in enumerate(spec.chunks):
+            for i, chunk in enumerate(chunks):
                 count = int(chunk.kept_counts[0, 0])
                 rows = chunk.positions.view(*chunk.kept_counts.shape, count)[layer, head]
                 if layer in sliding:  # each chunk's most recent tokens; only the last is seen

