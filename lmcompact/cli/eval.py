@@ -8,6 +8,8 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 NAME = "eval"
 HELP = "quality of every policy vs the full cache on a real model (optionally vs kvpress)"
@@ -130,11 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """``--engine vllm``: the tasks through the real connector (``lmcompact.eval.vllm_runner``)."""
-    from pathlib import Path
 
     from tqdm import tqdm
 
-    from lmcompact.cli._output import write_json
     from lmcompact.eval import vllm_report
     from lmcompact.eval.policies import resolve_policy_names
     from lmcompact.eval.vllm_runner import VllmEvalConfig, run_vllm_eval
@@ -174,19 +174,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         "results": summary,
         "samples": rows,
     }
-    table = vllm_report.markdown(summary)
-    print(table)
-    if args.json is not None:
-        write_json(args.json, payload)
-    out_dir = args.out_dir or (
-        str(Path(args.json).parent) if args.json not in (None, "-") else None
-    )
-    if out_dir is not None:
-        prefix = Path(args.json).stem if args.json not in (None, "-") else "eval_vllm"
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / f"{prefix}.md").write_text(table)
-        for path in vllm_report.plot(summary, out_dir, prefix):
-            logger.info("wrote %s", path)
+    _publish(args, payload, vllm_report.markdown(summary), vllm_report.plot, "eval_vllm")
     return 0
 
 
@@ -198,7 +186,6 @@ def _command() -> str:
 
 def run_hf(args: argparse.Namespace) -> int:
     """``--engine hf``: transformers with ``CompactingCache`` (and kvpress to compare)."""
-    from pathlib import Path
 
     from tqdm import tqdm
 
@@ -260,17 +247,31 @@ def run_hf(args: argparse.Namespace) -> int:
         "results": summary,
         "samples": rows,
     }
-    table = report.markdown(summary)
+    _publish(args, payload, report.markdown(summary), report.plot, "eval")
+    return 0
+
+
+def _publish(
+    args: argparse.Namespace,
+    payload: dict[str, Any],
+    table: str,
+    plot: Callable[[Any, str, str], list[Any]],
+    default_prefix: str,
+) -> None:
+    """Print the table; write the JSON, and the table and plots beside it (or in --out-dir)."""
+    from pathlib import Path
+
+    from lmcompact.cli._output import write_json
+
     print(table)
     if args.json is not None:
         write_json(args.json, payload)
-    out_dir = args.out_dir or (
-        str(Path(args.json).parent) if args.json not in (None, "-") else None
-    )
-    if out_dir is not None:
-        prefix = Path(args.json).stem if args.json not in (None, "-") else "eval"
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / f"{prefix}.md").write_text(table)
-        for path in report.plot(summary, out_dir, prefix):
-            logger.info("wrote %s", path)
-    return 0
+    named = args.json not in (None, "-")
+    out_dir = args.out_dir or (str(Path(args.json).parent) if named else None)
+    if out_dir is None:
+        return
+    prefix = Path(args.json).stem if named else default_prefix
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"{prefix}.md").write_text(table)
+    for path in plot(payload["results"], out_dir, prefix):
+        logger.info("wrote %s", path)
