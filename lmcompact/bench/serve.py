@@ -21,12 +21,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from lmcompact.bench.child import run_child
 from lmcompact.cli._output import format_table, write_json
 
 NAME = "serve"
@@ -124,36 +124,6 @@ def _child(spec_path: str) -> int:
     result = run_serve(ServeWorkload(**spec["workload"]), spec["extra"])
     Path(spec["out"]).write_text(json.dumps(result))
     return 0
-
-
-def _run_child(
-    workload: dict[str, Any], extra: dict[str, Any] | None, scratch: Path, name: str
-) -> dict[str, Any]:
-    spec = scratch / f"{name}.spec.json"
-    out = scratch / f"{name}.result.json"
-    spec.write_text(json.dumps({"workload": workload, "extra": extra, "out": str(out)}))
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcompact", "bench", "serve", "--child", str(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(
-            f"serve run {name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-        )
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["connector_warnings"] = [
-        line.strip()
-        for line in proc.stderr.splitlines()
-        if "WARNING" in line and ("connectors." in line or "lmcompact" in line)
-    ][:20]
-    return result
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -264,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, dict[str, Any]] = {}
         for name, extra in plans:
             print(f"serve: running {name} ...", file=sys.stderr, flush=True)
-            runs[name] = _run_child(workload, extra, Path(scratch), name.replace(".", "_"))
+            runs[name] = run_child("serve", workload, extra, Path(scratch), name.replace(".", "_"))
             print(format_table([_row(name, runs[name])]), file=sys.stderr, flush=True)
 
     base = runs["baseline"]
