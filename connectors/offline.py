@@ -69,27 +69,27 @@ def build_llm(
     max_model_len: int = 4096,
     block_size: int = DEFAULT_BLOCK_SIZE,
     connector: str = "LMCompactConnector",
+    engine: Mapping[str, Any] | None = None,
 ) -> Any:
     """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
 
     Prefix caching is off: a compacting policy requires it, and it keeps "store hit" and
-    "recompute" comparable.
+    "recompute" comparable. Eager (no CUDA graphs) and one prompt per step unless
+    ``engine`` overrides them (any ``LLM`` keyword, e.g. ``load_format="dummy"``).
     """
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": max_model_len,
+        "seed": 0,
+    }
     if extra is not None:
         kwargs["kv_transfer_config"] = transfer_config(extra, connector)
-    return LLM(
-        model=model,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=max_model_len,
-        seed=0,
-        **kwargs,
-    )
+    kwargs.update(engine or {})
+    return LLM(model=model, block_size=block_size, max_model_len=max_model_len, **kwargs)
 
 
 def worker_connector() -> Any:
@@ -110,7 +110,8 @@ def generate(llm: Any, prompt_ids: list[int], max_tokens: int) -> Generation:
     """Greedy generation of one prompt, timed (wall clock, seconds)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    no_tokenizer = bool(getattr(llm.llm_engine.model_config, "skip_tokenizer_init", False))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=not no_tokenizer)
     began = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - began
