@@ -174,7 +174,17 @@ def dense_next_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
-def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path) -> None:
+GRAPH_MODES = {
+    "full": {},  # vLLM's default: FULL_AND_PIECEWISE
+    "piecewise": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    "eager": {"enforce_eager": True},
+}
+
+
+@pytest.mark.parametrize("graphs", sorted(GRAPH_MODES))
+def test_compacted_logits_match_dense_reference_over_kept_tokens(
+    model_dir: Path, graphs: str
+) -> None:
     from transformers import LlamaForCausalLM
 
     from connectors.memory.device_pack import DevicePacker
@@ -198,13 +208,13 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path
     }
     DevicePacker.pack = pack  # type: ignore[method-assign]
     try:
-        with engine(model_dir, extra) as llm:
+        with engine(model_dir, extra, **GRAPH_MODES[graphs]) as llm:
             warm = len(recorded)  # start-up warm-up packs
             out = generate(llm, ids, 3, logprobs=20)
-            worker = _worker_half()
-            mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-            assert mode.has_full_cudagraphs() and worker.full_graphs and worker.cut_at_build
-            cut_rows = worker.stats["rows_cut_in_buffers"]
+            full = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+            assert full == (graphs == "full") == _worker_half().full_graphs
+            assert _worker_half().cut_at_build
+            cut_rows = _worker_half().stats["rows_cut_in_buffers"]
     finally:
         DevicePacker.pack = original  # type: ignore[method-assign]
     assert len(recorded) == warm + 1, "the request was not packed on the GPU"
@@ -226,7 +236,7 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path
     got = torch.tensor([lp.logprob for lp in entry.values()], device="cuda")
     err_kept = float((got - ref_kept[tokens]).abs().max())
     err_full = float((got - ref_full[tokens]).abs().max())
-    print(f"max |logprob - ref|: kept {err_kept:.4f}, full prompt {err_full:.4f}")
+    print(f"{graphs}: max |logprob - ref|: kept {err_kept:.4f}, full prompt {err_full:.4f}")
     assert err_kept < 0.1
     assert err_kept < err_full
     assert int(out.token_ids[1]) == int(ref_kept.argmax())
