@@ -211,7 +211,8 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
         with engine(model_dir, extra, **GRAPH_MODES[graphs]) as llm:
             warm = len(recorded)  # start-up warm-up packs
             out = generate(llm, ids, 3, logprobs=20)
-            full = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+            mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+            full = mode.has_full_cudagraphs()
             assert full == (graphs == "full") == _worker_half().full_graphs
             assert _worker_half().cut_at_build
             cut_rows = _worker_half().stats["rows_cut_in_buffers"]
