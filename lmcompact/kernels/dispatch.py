@@ -23,8 +23,8 @@ from contextvars import ContextVar
 import torch
 
 from lmcompact.attention import scores as scores_reference
+from lmcompact.attention.pooling import pool_scores
 from lmcompact.kernels.moves import DefragPlan, SlotMoves, compaction_moves, plan_defragment
-from lmcompact.kernels.pooling import pool_scores
 from lmcompact.kernels.reference_paged import (
     move_slots_reference,
     paged_attention_reference,
@@ -70,7 +70,7 @@ def window_scores(
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
     pool_size: int = 1,
-    pool: str = "max",
+    pool: str = "maxpool",
 ) -> torch.Tensor:
     """``(B, Hkv, T)`` float32 window-attention mass per key, optionally SnapKV-pooled.
 
@@ -80,7 +80,8 @@ def window_scores(
         query_positions: ``(W,)`` (default: the last W positions).
         scale: Softmax scale (default ``1 / sqrt(D)``).
         pool_size: Odd pooling window along T (1 = none).
-        pool: ``"max"`` or ``"avg"``.
+        pool: ``"maxpool"`` or ``"avgpool"`` (:func:`lmcompact.attention.pooling.pool_scores`,
+            the pooling the policies use).
     """
     if use_kernels(queries.device):
         from lmcompact.kernels import window_scores as kernel
