@@ -14,11 +14,9 @@ the connector asks for piecewise graphs):
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +63,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@contextmanager
-def engine(model: Path, extra: dict[str, Any] | None) -> Iterator[Any]:
+def engine(model: Path, extra: dict[str, Any] | None) -> AbstractContextManager[Any]:
+    """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``): the one engine builder."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-    llm = LLM(
-        model=str(model),
+    return offline_engine(
+        str(model),
+        extra,
+        connector="LMCompactMemoryConnector",
         dtype="bfloat16",
         block_size=BS,
         max_model_len=2048,
+        enforce_eager=False,
         gpu_memory_utilization=0.3,
-        enable_prefix_caching=False,
         skip_tokenizer_init=True,
-        seed=0,
-        **kwargs,
     )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def prompt(seed: int) -> list[int]:
