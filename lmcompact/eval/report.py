@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcompact.eval.markdown import fmt, table_head, table_row
+from lmcompact.eval.tables import fmt, group_by, table_head, table_row
 
 KEY = ("impl", "task", "policy", "budget", "context")
 MEANS = (
@@ -30,11 +29,8 @@ MEANS = (
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean of every numeric field over samples, one row per (impl, task, policy, budget,
     context); ``samples`` counts them and ``exact`` says whether every agreement was 1.0."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[tuple(row.get(k) for k in KEY)].append(row)
     out = []
-    for key, members in groups.items():
+    for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
         summary["samples"] = len(members)
         for name in MEANS:

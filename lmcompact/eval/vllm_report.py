@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcompact.eval.markdown import fmt, table_head
+from lmcompact.eval.tables import fmt, group_by, table_head
 
 KEY = ("engine", "model", "task", "context", "compact_on", "policy", "budget")
 MODE_ORDER = {"none": 0, "save": 1, "load": 2, "inplace": 3}
@@ -19,11 +18,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     time ``cell_s``, mean seconds per question, and ``store_ok`` (every question hit the
     chunks it should, and every compacting question request was packed or loaded a hole).
     Refused cells keep their ``error``."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[tuple(row.get(k) for k in KEY)].append(row)
     out = []
-    for key, members in groups.items():
+    for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
         errors = [m["error"] for m in members if m.get("error")]
         scored = [m for m in members if "accuracy" in m]

@@ -60,18 +60,6 @@ from tests.integration.vllm_memory.harness import (
 )
 from tests.integration.vllm_memory.perhead_probe import PerHeadRecorder, dense_reference
 
-__all__ = [
-    "block_size",
-    "engine_request_ids",
-    "held_blocks",
-    "memory_engine",
-    "on_cuda",
-    "prompts",
-    "rel_err",
-    "run",
-    "scheduler",
-    "worker_connector",
-]
 
 
 class WindowRecorder:

@@ -1,7 +1,9 @@
-"""Markdown tables of the eval reports (``report.py``, ``vllm_report.py``)."""
+"""Result rows of the eval reports (``report.py``, ``vllm_report.py``): grouping and
+markdown tables."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,3 +25,13 @@ def table_head(title: str, header: Sequence[str]) -> list[str]:
 def table_row(cells: Sequence[str]) -> str:
     """One table row."""
     return "| " + " | ".join(cells) + " |"
+
+
+def group_by(
+    rows: Sequence[dict[str, Any]], key: Sequence[str]
+) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Rows grouped by their values of ``key`` (a missing field groups as None), in order."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for item in rows:
+        groups[tuple(item.get(k) for k in key)].append(item)
+    return groups
