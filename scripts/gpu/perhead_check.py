@@ -61,7 +61,6 @@ from tests.integration.vllm_memory.harness import (
 from tests.integration.vllm_memory.perhead_probe import PerHeadRecorder, dense_reference
 
 
-
 class WindowRecorder:
     """Wraps ``observe_layer`` as the pack calls it; keeps inputs and outputs of a few layers."""
 
