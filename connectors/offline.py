@@ -84,6 +84,7 @@ def llm_kwargs(
     prefix_caching: bool = False,
     num_blocks: int | None = None,
     enforce_eager: bool = True,
+    engine: Mapping[str, Any] | None = None,
     **engine_args: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for one engine; ``extra`` None: no connector.
@@ -102,6 +103,9 @@ def llm_kwargs(
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``); None lets vLLM
             size it. ``max_model_len`` is clipped to what the pool holds (block 0 is null).
         enforce_eager: No CUDA graphs (on by default; the GPU graph tests turn it off).
+        engine: ``vllm.LLM`` keywords applied last, over everything above (a benchmark's
+            engine settings, e.g. ``{"enforce_eager": False, "max_num_batched_tokens":
+            None}`` for CUDA graphs and vLLM's own token budget).
         engine_args: Any other ``vllm.LLM`` argument (``gpu_memory_utilization``, ...).
     """
     kwargs: dict[str, Any] = {"dtype": dtype, **engine_args}
@@ -119,6 +123,7 @@ def llm_kwargs(
         max_num_batched_tokens=max_num_batched_tokens or max_model_len,
     )
     kwargs.setdefault("seed", 0)
+    kwargs.update(engine or {})
     return kwargs
 
 
@@ -165,7 +170,8 @@ def generate(llm: Any, prompt_ids: list[int], max_tokens: int) -> Generation:
     """Greedy generation of one prompt, timed (wall clock, seconds)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    no_tokenizer = bool(getattr(llm.llm_engine.model_config, "skip_tokenizer_init", False))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=not no_tokenizer)
     began = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - began

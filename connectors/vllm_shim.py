@@ -17,13 +17,14 @@ What differs and is handled here:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _connector_base
@@ -340,6 +341,124 @@ def wrap_attention_forward(name: str, layer: Any, before: BeforeHook, after: Aft
 
     impl._lmcompact_original_forward = original
     impl.forward = forward
+
+
+class StepTableEditor(Protocol):
+    """What a connector's worker half offers the runner hooks of :func:`hook_step_tables`."""
+
+    def stage(self, connector_metadata: Any, uniform: bool) -> bool:
+        """The step's metadata, before anything of the step is built (None: a dummy run);
+        ``uniform``: every request of the step has as many tokens (the only batches vLLM
+        may replay as a full graph). Returns True when the step must run eagerly (it
+        captures queries inside attention layers, which a replayed graph would skip)."""
+        ...
+
+    def edit_tables(
+        self,
+        req_ids: list[str],
+        block_tables: tuple[torch.Tensor, ...],
+        seq_lens: torch.Tensor,
+        seq_lens_upper: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Cut the staged holes out of the step's tables and key lengths, in place; return
+        the host upper bound of the cut key lengths, or None when nothing was cut."""
+        ...
+
+
+def hook_step_tables() -> bool:
+    """Let the connector cut holes where full CUDA graphs see it: the step's input buffers.
+
+    vLLM 0.26's V2 GPU runner builds each step's attention metadata from fixed buffers
+    (gathered block tables, key lengths) that full decode graphs read at replay; edits of
+    the metadata objects inside attention layers never reach a replayed graph. Two patches:
+    ``GPUModelRunner.execute_model`` hands the step's connector metadata to the editor
+    before the step is prepared (vLLM binds it only after the metadata is built), and each
+    runner's ``model_state.prepare_attn`` lets the editor cut the buffers before the
+    backend builders read them (slot mappings were computed from the uncut tables before).
+    The editor is found on the runner's connector (``lmcompact_step_editor``); runners
+    without one run unchanged. Returns False when this vLLM has no such runner.
+    """
+    try:
+        from vllm.v1.worker.gpu import model_runner
+    except ImportError:
+        return False
+    runner_class: Any = getattr(model_runner, "GPUModelRunner", None)
+    needed = ("execute_model", "prepare_attn")
+    if runner_class is None or not all(hasattr(runner_class, n) for n in needed):
+        return False
+    if getattr(runner_class, "_lmcompact_hooked", False):
+        return True
+    original = runner_class.execute_model
+    signature = inspect.signature(original)
+    if not {"dummy_run", "is_profile"} <= set(signature.parameters):
+        return False
+
+    def execute_model(runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        agent = getattr(getattr(runner, "kv_connector", None), "kv_connector", None)
+        editor = getattr(agent, "lmcompact_step_editor", None)
+        if editor is None:
+            return original(runner, scheduler_output, *args, **kwargs)
+        _hook_prepare_attn(runner.model_state, editor)
+        call = signature.bind(runner, scheduler_output, *args, **kwargs)
+        call.apply_defaults()
+        dummy = bool(call.arguments["dummy_run"])
+        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+        tokens = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        uniform = len(set(tokens.values())) == 1
+        if editor.stage(None if dummy else metadata, uniform):
+            # the runner's only switch to eager for one step ("profile" steps run eagerly)
+            call.arguments["is_profile"] = True
+        return original(*call.args, **call.kwargs)
+
+    runner_class.execute_model = execute_model
+    runner_class._lmcompact_hooked = True
+    return True
+
+
+def _hook_prepare_attn(model_state: Any, editor: StepTableEditor) -> None:
+    if getattr(model_state, "_lmcompact_prepare_attn", None) is not None:
+        return
+    original = model_state.prepare_attn
+
+    def prepare_attn(
+        input_batch: Any,
+        cudagraph_mode: Any,
+        block_tables: tuple[torch.Tensor, ...],
+        *args: Any,
+        for_capture: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        upper = None
+        if not for_capture:
+            upper = editor.edit_tables(
+                list(input_batch.req_ids[: input_batch.num_reqs]),
+                tuple(block_tables),
+                input_batch.seq_lens,
+                input_batch.seq_lens_cpu_upper_bound,
+            )
+        if upper is None:
+            return original(
+                input_batch, cudagraph_mode, block_tables, *args, for_capture=for_capture, **kwargs
+            )
+        uncut = input_batch.seq_lens_cpu_upper_bound
+        input_batch.seq_lens_cpu_upper_bound = upper  # max_seq_len of the cut rows
+        try:
+            return original(
+                input_batch, cudagraph_mode, block_tables, *args, for_capture=for_capture, **kwargs
+            )
+        finally:
+            input_batch.seq_lens_cpu_upper_bound = uncut
+
+    model_state._lmcompact_prepare_attn = original
+    model_state.prepare_attn = prepare_attn
+
+
+def full_cudagraphs(vllm_config: Any) -> bool:
+    """True when the engine replays full CUDA graphs for some steps."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    enforce_eager = bool(getattr(vllm_config.model_config, "enforce_eager", False))
+    return bool(has_full()) and not enforce_eager if callable(has_full) else False
 
 
 def current_forward_context() -> Any:
