@@ -30,6 +30,7 @@ def memory_engine(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
     connector: tuple[str, str] = MEMORY_CONNECTOR,
+    prefix_caching: bool = False,
 ) -> Iterator[Any]:
     """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector.
 
@@ -37,6 +38,7 @@ def memory_engine(
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``), None for vLLM's
             own sizing.
         connector: ``(class name, module path)`` of the connector.
+        prefix_caching: vLLM's ``enable_prefix_caching``.
     """
     from connectors.offline import engine as offline_engine
 
@@ -50,6 +52,7 @@ def memory_engine(
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        prefix_caching=prefix_caching,
     ) as llm:
         yield llm
 
