@@ -17,11 +17,9 @@ full decode graphs: the connector cuts holes in the runner's input buffers):
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -68,39 +66,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@contextmanager
-def engine(model: Path, extra: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
+def engine(
+    model: Path, extra: dict[str, Any] | None, **overrides: Any
+) -> AbstractContextManager[Any]:
+    """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``) and vLLM's own token
+    budget per step, through the one engine builder; ``overrides`` are ``LLM`` keywords."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-    llm = LLM(
-        model=str(model),
+    return offline_engine(
+        str(model),
+        extra,
+        connector="LMCompactMemoryConnector",
         dtype="bfloat16",
         block_size=BS,
         max_model_len=2048,
         gpu_memory_utilization=0.3,
-        enable_prefix_caching=False,
         skip_tokenizer_init=True,
-        seed=0,
-        **kwargs,
-        **overrides,
+        engine={"enforce_eager": False, "max_num_batched_tokens": None, **overrides},
     )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def prompt(seed: int) -> list[int]:
