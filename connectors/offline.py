@@ -225,3 +225,8 @@ def shutdown(llm: Any) -> None:
     if half is not None:
         half.drain()
     llm.llm_engine.engine_core.shutdown()
+    # in-process, vLLM's global connector outlives the engine and holds the KV caches it
+    # registered: drop it so the next engine's memory profile sees them freed
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()

@@ -70,7 +70,9 @@ class WorkerHalf:
         self.full_graphs = False
         self.cut_at_build = False
         self._staged: StepMetadata | None = None
+        self._cut_for: StepMetadata | None = None  # the step edit_tables last served
         self._stage_seen = False  # the runner hook runs (V2 GPU runner)
+        self._forward_expected = True  # the staged step runs a forward pass
         self._capture_rows: dict[str, torch.Tensor] = {}
         self._captured: dict[str, list[list[torch.Tensor]]] = {}
         self._captured_pos: dict[str, list[int]] = {}
@@ -154,11 +156,12 @@ class WorkerHalf:
         )
 
     # ------------------------------------------------------------------ runner hooks
-    def stage(self, connector_metadata: Any, uniform: bool) -> bool:
+    def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
         """The coming step's metadata (see :class:`connectors.vllm_shim.StepTableEditor`)."""
         step = getattr(connector_metadata, "step", None)
         self._staged = step if isinstance(step, StepMetadata) else None
         self._stage_seen = True
+        self._forward_expected = has_tokens
         captures = self._staged is not None and bool(self._staged.captures)
         eager = self.full_graphs and uniform and captures
         if eager:
@@ -174,6 +177,7 @@ class WorkerHalf:
     ) -> torch.Tensor | None:
         """Cut the staged step's holes out of the runner's buffers, by request id."""
         step = self._staged
+        self._cut_for = step
         if step is None or not step.holes:
             return None
         bs = self.facts.block_size
@@ -258,8 +262,10 @@ class WorkerHalf:
             self._load(load)
         per_layer = shim.forward_metadata(forward_context)
         self._capture_rows = self._find_capture_rows(meta, per_layer)
-        if not meta.holes or (self.cut_at_build and self._stage_seen):
+        if not meta.holes or (self.cut_at_build and self._cut_for is meta):
             return  # nothing to cut, or cut in the runner's buffers (edit_tables)
+        if self._stage_seen and self._staged is meta and not self._forward_expected:
+            return  # a step without a forward pass (nothing attends)
         if self.full_graphs:
             # a replayed graph would read the uncut tables: never attend to hole blocks
             raise RuntimeError(
