@@ -316,6 +316,7 @@ def _one_run(
         row["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     if setup.graphs is not None:
         row["graph_captures"] = setup.graphs.captures - captures
+        row["graph_failure"] = setup.graphs.failure
     if setup.config != "dynamic":
         _release(cache, row)
     return row

@@ -54,7 +54,7 @@ def case(dtype: torch.dtype, head_dim: int, seed: int = 0) -> PagedCase:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 5])
 def test_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, splits: int) -> None:
     c = case(dtype, head_dim)
     args = (c.queries, c.key_pool, c.value_pool, c.block_table, c.cu_seqlens_q, c.lengths)

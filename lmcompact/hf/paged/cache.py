@@ -169,6 +169,12 @@ class PagedCache(Cache):
         for layer in self.paged_layers:
             layer.step_ready = True
 
+    def clear_step_flags(self) -> None:
+        """Forget a prepared step no forward consumed (after a failed graph capture)."""
+        for layer in self.paged_layers:
+            layer.step_ready = False
+            layer.clear_attend_flags()
+
     def _state_for(self, tables: list[BlockTable], storage: KVStorage) -> DecodeState:
         """The step buffers, rebuilt when the batch or table width outgrows them."""
         columns = max(t.blocks.shape[1] for t in tables)

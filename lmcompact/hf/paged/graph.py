@@ -17,7 +17,8 @@ fixed addresses. So the whole forward can be captured once and replayed::
 The first eligible step runs eagerly (it compiles the kernels and computes the
 step), then the same step is captured again: writing the same K/V into the
 same slots is idempotent. A new graph is captured when the batch changes or
-the step buffers are rebuilt (a table outgrew their width). Anything else
+the step buffers are rebuilt (a table outgrew their width). If a capture
+fails, the runner logs why (``failure``) and every later step runs eagerly. Anything else
 (prefill, a compaction pending, CPU tensors, extra outputs asked for) goes to
 the model's own forward.
 
@@ -76,6 +77,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.eager_steps = 0
+        self.failure: str | None = None
 
     def install(self) -> None:
         if self._forward is not None:
@@ -124,6 +126,8 @@ class DecodeGraphs:
     def _eligible(self, input_ids: torch.Tensor | None, cache: Any, kwargs: dict[str, Any]) -> bool:
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
             return False
+        if self.failure is not None:
+            return False
         if input_ids.device.type != "cuda" or not isinstance(cache, PagedCache):
             return False
         if any(k not in PASSED_THROUGH and v not in (None, False) for k, v in kwargs.items()):
@@ -157,8 +161,14 @@ class DecodeGraphs:
         cache.mark_step_prepared()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            static_out = forward(**inputs)
+        try:
+            with torch.cuda.graph(graph):
+                static_out = forward(**inputs)
+        except RuntimeError as exc:  # the eager output stands; later steps stay eager
+            self.failure = repr(exc)
+            cache.clear_step_flags()
+            logger.warning("CUDA graph capture failed, decoding eagerly from now on: %s", exc)
+            return _output(logits, cache)
         self._graphs[input_ids.shape[0]] = _Captured(
             graph, static_ids, static_pos, static_out.logits, state
         )

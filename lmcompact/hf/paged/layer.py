@@ -248,6 +248,10 @@ class PagedLayer(CacheLayerMixin):
             return shared_block_attention(query, storage, table, scaling)
         return gathered_attention(query, storage, table, scaling)
 
+    def clear_attend_flags(self) -> None:
+        """Forget an update whose attention never ran (a failed graph capture)."""
+        self._awaiting_attend = self._step_attend = False
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
 
