@@ -551,7 +551,7 @@ def paged_decode_attention(
     quant = key_scales is not None and value_scales is not None
     block_n = _decode_block_n(d)
     block_d = triton.next_power_of_2(d)
-    out = torch.empty_like(queries)
+    out = torch.empty(batch, hq, d, dtype=queries.dtype, device=queries.device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=queries.device)
     if num_splits == 1:
         part, part_lse = out, lse[None]
