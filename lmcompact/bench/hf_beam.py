@@ -79,6 +79,12 @@ GOALS = {
     "paged_int8_compact": 0.3,
 }
 DTYPES = ("float32", "bfloat16", "float16")
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B: 16 layers, 32 q / 8 kv heads, head_dim 64
     "1b": {
@@ -124,6 +130,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="PagedCache decode steps replay a CUDA graph on CUDA (paged_eager never does)",
+    )
+    parser.add_argument(
+        "--sdpa-backends",
+        default=None,
+        help="comma-separated SDPA backends allowed for every config (from "
+        + ",".join(SDPA_BACKENDS)
+        + "; default: torch's choice). DynamicCache's decode attention and every prefill run "
+        "through SDPA",
     )
     parser.add_argument(
         "--profile",
@@ -263,6 +277,21 @@ class _Setup:
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.remove()
+
+
+def _sdpa_backends(names: str | None) -> Any:
+    """A context allowing only ``names`` (comma-separated) as SDPA backends; no-op for None."""
+    from contextlib import nullcontext
+
+    if names is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    bad = [n for n in wanted if n not in SDPA_BACKENDS]
+    if bad or not wanted:
+        raise ValueError(f"--sdpa-backends must come from {sorted(SDPA_BACKENDS)}; got {names!r}")
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in wanted])
 
 
 def _generate(model: Any, ids: Any, cache: Any, beams: int, new_tokens: int) -> Any:
@@ -474,11 +503,14 @@ def run(args: argparse.Namespace) -> int:
         setup = _Setup(model, ids, config, args)
         try:
             if warmup:  # compile kernels, capture graphs, set up libraries: not timed
-                _one_run(setup, ids, args, new_tokens=4)
-            rows.append(_one_run(setup, ids, args))
+                with _sdpa_backends(args.sdpa_backends):
+                    _one_run(setup, ids, args, new_tokens=4)
+            with _sdpa_backends(args.sdpa_backends):
+                rows.append(_one_run(setup, ids, args))
             if args.profile:
                 try:
-                    rows[-1]["profile"] = _profile(setup, ids, args)
+                    with _sdpa_backends(args.sdpa_backends):
+                        rows[-1]["profile"] = _profile(setup, ids, args)
                 except Exception as exc:  # a profiler failure must not lose the timings
                     logger.warning("profiling %s failed: %s", config, exc)
                     rows[-1]["profile"] = {"error": repr(exc), "calls_per_step": {}}
@@ -518,6 +550,7 @@ def run(args: argparse.Namespace) -> int:
             "model": f"random weights, {args.shape} shape" if args.shape else str(args.model),
             "shape": SHAPES[args.shape] if args.shape else None,
             "cuda_graphs": args.cuda_graphs and device.type == "cuda",
+            "sdpa_backends": args.sdpa_backends or "torch default",
             "prompt_lengths": lengths,
             "new_tokens": args.new_tokens,
             "beams": args.beams,
