@@ -143,24 +143,31 @@ def test_generate_tokens_identical_to_dynamic_cache(
     _reset(cache)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "policy"), [("auto", None), ("int8", None), ("auto", "snapkv"), ("int8", "snapkv")]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_decode_matches_eager_decode(
-    model: Any, prompt: torch.Tensor, kv_dtype: str, dtype: torch.dtype
+    model: Any, prompt: torch.Tensor, kv_dtype: str, policy: str | None, dtype: torch.dtype
 ) -> None:
-    """Replayed steps compute what the eager steps compute (same kernels, same buffers)."""
+    """Replayed steps compute what the eager steps compute (same kernels, same buffers),
+    also after a compaction (per-head kept lengths and the hole in the step buffers)."""
     model.to(dtype)
     try:
         enable_lmcompact_attention(model)
         runs = []
         for graphs in (False, True):
-            cache = paged(model, BEAMS, kv_dtype=kv_dtype)
+            compact = make_policy(policy, budget=0.5) if policy else None
+            cache = paged(model, BEAMS, kv_dtype=kv_dtype, policy=compact)
             if graphs:
                 with graphed_decode(model) as g:
                     runs.append(_generate(model, prompt, BEAMS, cache))
-                assert g.replays == NEW - 2
+                # the step after a compaction runs eagerly (the compaction is host work)
+                assert g.replays == NEW - (3 if policy else 2) and g.failure is None
             else:
                 runs.append(_generate(model, prompt, BEAMS, cache))
+            table = cache.paged_layers[0].table
+            assert table is not None and (table.tail_start > 0) == (policy is not None)
             cache.check_accounting()
             _reset(cache)
         eager, graphed = runs

@@ -24,6 +24,12 @@ reference counts move; no K/V is copied, except the partly filled last block
 when two beams that share it next write (copy-on-write). ``kv_dtype="int8"``
 stores K/V as int8 with per-(head, token) scales; ``policy`` compacts the
 prompt at the end of prefill with any lmcompact policy, freeing whole blocks.
+
+Each decode step's host work (slots, copy-on-write, tables and lengths) is
+done once for all layers at layer 0 (:meth:`PagedCache.prepare_decode_step`,
+:mod:`lmcompact.hf.paged.step`); the layers then only write K/V and attend
+from device buffers, which is what lets :mod:`lmcompact.hf.paged.graph`
+replay the decode forward as a CUDA graph.
 """
 
 from __future__ import annotations
