@@ -37,7 +37,10 @@ CUDA library setup are not timed. ``--random-weights`` builds the model from
 the folder's ``config.json`` alone and feeds seeded random token ids (no
 tokenizer, no weights needed); ``--shape 1b`` / ``8b`` does the same with the
 Llama-3.2-1B / Llama-3-8B shapes built in (:data:`SHAPES`). ``--dtype`` sets
-the model's (and so the cache's) dtype. ``--profile N`` runs N more decode
+the model's (and so the cache's) dtype; ``--sdpa-backends`` limits the SDPA
+backends of every configuration (DynamicCache's decode attention and every
+prefill use SDPA; torch 2.11 on the H200 picks cuDNN for these decode shapes
+by default). ``--profile N`` runs N more decode
 steps per configuration under the torch profiler and reports, per step, host
 time and the CUDA runtime calls (kernel launches, copies, synchronizations).
 
