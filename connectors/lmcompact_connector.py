@@ -116,9 +116,22 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
                 "when the worker loads it fails its request; set kv_load_failure_policy to "
                 "'recompute' in --kv-transfer-config to recompute such requests instead"
             )
+        self._rank_stores: list[TieredStore] = []  # scheduler, tensor parallel: ranks 1..
         if role == shim.KVConnectorRole.SCHEDULER:
             keyer = ChunkKeyer(self.namespace, self.config.chunk_size)
-            self.scheduler_half = SchedulerHalf(self.config, self.facts, self.store, keyer)
+            self._rank_stores = [
+                STORES.acquire(
+                    build_namespace(self.config, self.facts, rank), self.config.store_config()
+                )
+                for rank in range(1, self.facts.tp_size)
+            ]
+            self.scheduler_half = SchedulerHalf(
+                self.config,
+                self.facts,
+                self.store,
+                keyer,
+                rank_stores=[self.store, *self._rank_stores],
+            )
         else:
             self.worker_half = WorkerHalf(
                 self.config, self.facts, vllm_config, self.store, tp_rank=self.tp_rank
@@ -181,6 +194,8 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         if self.worker_half is not None:
             self.worker_half.shutdown()
         STORES.release(self.store)
+        for store in self._rank_stores:
+            STORES.release(store)
 
     # --------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(

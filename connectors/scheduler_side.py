@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +76,19 @@ class SchedulerHalf:
         store: TieredStore,
         keyer: ChunkKeyer,
         save_wait_s: float = 30.0,
+        rank_stores: Sequence[TieredStore] | None = None,
     ) -> None:
         self.config = config
         self.facts = facts
         self.store = store
+        # the index of each rank's slices (tiers such as Redis name entries by namespace,
+        # which holds the rank): rank 0's is ``store``
+        self.rank_stores = list(rank_stores) if rank_stores is not None else [store]
+        if len(self.rank_stores) != facts.tp_size:
+            raise ValueError(
+                f"one store per tensor-parallel rank: got {len(self.rank_stores)} for "
+                f"{facts.tp_size} ranks"
+            )
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
@@ -136,7 +146,7 @@ class SchedulerHalf:
             if present == 0:
                 break
             ranked = [key.for_rank(rank, self.tp_size) for key in keys[:present]]
-            present = min(present, self.store.lookup_prefix(ranked))
+            present = min(present, self.rank_stores[rank].lookup_prefix(ranked))
         return present
 
     def _save_in_flight(self, key: ChunkKey) -> bool:

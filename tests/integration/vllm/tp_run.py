@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 BLOCK_SIZE = 32
@@ -74,12 +75,28 @@ def run_store(model: str, tp: int, extra: dict[str, Any], prompt: list[int], fre
     """Pass 1 stores, pass 2 loads (on a fresh engine when ``fresh``)."""
     llm = _llm(model, tp, extra, "LMCompactConnector", None)
     passes = [_pass(llm, prompt, 12)]
+    index_wait_s = None
     if fresh:
+        # the ranks save on background threads (and Redis writes are queued): wait until
+        # the store's index holds every rank's slice of every chunk, then start over
+        half = _scheduler(llm).connector.scheduler_half
+        keys = half.keyer.keys(
+            prompt[: (len(prompt) - 1) // half.keyer.chunk_size * half.keyer.chunk_size]
+        )
+        began = time.monotonic()
+        while half._lookup(keys) < len(keys) and time.monotonic() - began < 60:
+            time.sleep(0.2)
+        index_wait_s = time.monotonic() - began
         _shutdown(llm)
         llm = _llm(model, tp, extra, "LMCompactConnector", None)
     passes.append(_pass(llm, prompt, 12))
     half = _scheduler(llm).connector.scheduler_half
-    result = {"passes": passes, "stats": dict(half.stats), "tp_size": half.tp_size}
+    result = {
+        "passes": passes,
+        "stats": dict(half.stats),
+        "tp_size": half.tp_size,
+        "index_wait_s": index_wait_s,
+    }
     _shutdown(llm)
     return result
 
