@@ -44,6 +44,7 @@ from connectors.memory.heavy_hitters import (
 from connectors.memory.packing import WindowQueries, pack_in_place
 from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
 from connectors.memory.planner import HolePlanner, PrefillMode
+from connectors.memory.rank_packs import RankPacks
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
 from lmcompact.kernels import dispatch as kernels
@@ -145,8 +146,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         }
         self.device_packer: DevicePacker | None = None  # worker side, CUDA
         self.warm_up_s: list[tuple[int, float]] = []
-        # tensor parallel: request -> ranks that have not reported its pack yet
-        self._pack_waiting: dict[str, set[int]] = {}
+        self.rank_packs = RankPacks(self.facts.tp_size)  # scheduler side, pack reports
         # per pack: host seconds of its launches, and CUDA events around its device work
         self._pack_times: list[tuple[float, Any, Any]] = []
         self._policy = self.config.make_policy()
@@ -220,24 +220,18 @@ class LMCompactMemoryConnector(LMCompactConnector):
     # --------------------------------------------------------------- scheduler side
     def _held_back(self, req_id: str) -> bool:
         """Whether ``req_id``'s hole blocks must stay held this step."""
-        return self._scheduler().load_unconfirmed(req_id) or bool(self._pack_waiting.get(req_id))
+        return self._scheduler().load_unconfirmed(req_id) or self.rank_packs.pending(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        meta = shim.worker_metadata(connector_output)
-        if not self._pack_waiting or meta is None:
-            return
-        for req_id, rank in getattr(getattr(meta, "report", None), "packed", ()):
-            waiting = self._pack_waiting.get(req_id)
-            if waiting is not None:
-                waiting.discard(rank)
-                if not waiting:
-                    del self._pack_waiting[req_id]
+        report = getattr(shim.worker_metadata(connector_output), "report", None)
+        if report is not None:
+            self.rank_packs.confirm(report.packed)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._pack_waiting.pop(request.request_id, None)
+        self.rank_packs.drop(request.request_id)
         return super().request_finished(request, block_ids)
 
     def _memory(self) -> MemoryScheduler:
@@ -273,11 +267,8 @@ class LMCompactMemoryConnector(LMCompactConnector):
         step = super().build_connector_meta(scheduler_output).step
         memory = self._memory()
         packs = memory.plan_step(scheduler_output, step)
-        if self.facts.tp_size > 1:
-            # the hole goes back once every rank reported its pack (WorkerReport.packed);
-            # with one rank the pack precedes any later write in the worker's own order
-            for job in packs:
-                self._pack_waiting[job.req_id] = set(range(self.facts.tp_size))
+        for job in packs:  # its hole goes back once every rank reported the pack
+            self.rank_packs.expect(job.req_id)
         merges = memory.take_merges()
         if packs or merges or not step.is_idle():
             # holes, captures and loads must be in place before the forward pass; vLLM

@@ -15,6 +15,7 @@ from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig
 from connectors.memory.config import MemoryConfig
 from connectors.memory.connector import LMCompactMemoryConnector
+from connectors.memory.rank_packs import RankPacks
 from connectors.metadata import StepMetadata, WorkerReport
 from connectors.scheduler_side import SchedulerHalf
 from lmcompact.store import ChunkKeyer, CompactedChunk, StoreConfig, StoreNamespace, TieredStore
@@ -151,3 +152,21 @@ def test_kv_heads_must_split_across_ranks() -> None:
     assert shim.engine_facts(config(2, 2)).num_kv_heads == 1  # the rank's heads
     with pytest.raises(ValueError, match="must divide the model's 1 KV heads"):
         shim.engine_facts(config(2, 1))  # vLLM would replicate the head on both ranks
+
+
+def test_a_hole_waits_for_every_rank_pack_report() -> None:
+    packs = RankPacks(2)
+    packs.expect("r")
+    packs.confirm({("r", 0), ("other", 1)})
+    assert packs.pending("r")  # rank 1 has not packed yet: its blocks stay held
+    packs.confirm({("r", 1)})
+    assert not packs.pending("r")
+    packs.expect("r")  # re-packed after a preemption: both ranks owe it again
+    assert packs.pending("r")
+    packs.drop("r")
+    assert not packs.pending("r")
+    single = RankPacks(1)
+    single.expect("r")
+    assert not single.pending("r")  # one rank: its own step order is enough
+    with pytest.raises(ValueError, match="tp_size"):
+        RankPacks(0)
