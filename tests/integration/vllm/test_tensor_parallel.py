@@ -7,6 +7,7 @@ Checked:
 * store path: each rank stores its compacted slice of every chunk (SnapKV 0.5), the repeat
   loads all three chunks compacted on both ranks, and its greedy tokens equal the TP=1 run's
   (which differ from the full prefill's: the compaction is what is compared);
+* the same with the engine core in its own process (``vllm serve``'s mode);
 * the same through Redis from a second engine, so that presence comes from the store's
   index of every rank's slice, not from the workers' reports;
 * in place (``LMCompactMemoryConnector``): every prompt is packed by both ranks, the hole
@@ -65,9 +66,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run(
-    model: str, tp: int, mode: str, extra: dict[str, Any], prompts: dict[str, list[int]]
+    model: str,
+    tp: int,
+    mode: str,
+    extra: dict[str, Any],
+    prompts: dict[str, list[int]],
+    *flags: str,
 ) -> dict[str, Any]:
-    done = start(model, tp, mode, extra, prompts)
+    done = start(model, tp, mode, extra, prompts, *flags)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     line = [row for row in done.stdout.splitlines() if row.startswith("RESULT ")][-1]
@@ -75,7 +81,12 @@ def run(
 
 
 def start(
-    model: str, tp: int, mode: str, extra: dict[str, Any], prompts: dict[str, list[int]]
+    model: str,
+    tp: int,
+    mode: str,
+    extra: dict[str, Any],
+    prompts: dict[str, list[int]],
+    *flags: str,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if tp > 1:
@@ -94,6 +105,7 @@ def start(
         json.dumps(extra),
         "--prompts",
         json.dumps(prompts),
+        *flags,
     ]
     return subprocess.run(
         command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
@@ -120,6 +132,17 @@ def test_store_and_reload_equal_tp1(store_runs: dict[int, dict[str, Any]]) -> No
     assert tp1["passes"][1]["tokens"] != tp1["passes"][0]["tokens"]
     assert tp2["passes"][0]["tokens"] == tp1["passes"][0]["tokens"]
     assert tp2["passes"][1]["tokens"] == tp1["passes"][1]["tokens"]
+
+
+def test_store_and_reload_with_the_engine_core_in_its_own_process(
+    tiny_model: str, store_runs: dict[int, dict[str, Any]]
+) -> None:
+    """As ``vllm serve`` runs: engine core, rank 0 and rank 1 in three processes."""
+    extra = {**SNAPKV, "chunk_size": CHUNK}
+    result = run(tiny_model, 2, "store", extra, STORE_PROMPT, "--engine-process")
+    stored = (len(STORE_PROMPT["p"]) - 1) // CHUNK * CHUNK
+    assert result["passes"][1]["cached"] == stored, result
+    assert [p["tokens"] for p in result["passes"]] == [p["tokens"] for p in store_runs[1]["passes"]]
 
 
 def test_redis_slices_found_by_a_second_engine(

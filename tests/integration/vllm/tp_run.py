@@ -8,7 +8,8 @@ Modes:
   * ``store``: ``LMCompactConnector`` with a CPU tier. Pass 1 computes the prompt and each
     rank stores its compacted slices; pass 2 repeats the prompt, which loads the stored prefix
     compacted. Prints each pass's greedy tokens and ``num_cached_tokens`` and the scheduler
-    half's counters.
+    half's counters (with ``--engine-process`` the engine core runs in its own process, as
+    under ``vllm serve``, and only the passes are printed).
   * ``redis``: the same with a Redis tier, and pass 2 on a second engine (the stored slices
     are found through the store's index, not through the workers' reports).
   * ``memory``: ``LMCompactMemoryConnector`` packs prompts in place; the engine is stepped
@@ -90,13 +91,10 @@ def run_store(model: str, tp: int, extra: dict[str, Any], prompt: list[int], fre
         _shutdown(llm)
         llm = _llm(model, tp, extra, "LMCompactConnector", None)
     passes.append(_pass(llm, prompt, 12))
-    half = _scheduler(llm).connector.scheduler_half
-    result = {
-        "passes": passes,
-        "stats": dict(half.stats),
-        "tp_size": half.tp_size,
-        "index_wait_s": index_wait_s,
-    }
+    result: dict[str, Any] = {"passes": passes, "index_wait_s": index_wait_s}
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the scheduler half is here
+        half = _scheduler(llm).connector.scheduler_half
+        result.update(stats=dict(half.stats), tp_size=half.tp_size)
     _shutdown(llm)
     return result
 
@@ -169,8 +167,10 @@ def main() -> None:
     parser.add_argument("--extra", required=True, help="kv_connector_extra_config JSON")
     parser.add_argument("--prompts", required=True, help='JSON {"id": [token ids]}')
     parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--engine-process", action="store_true", help="store mode only")
     args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    # the engine core in this process, unless --engine-process (as `vllm serve` runs it)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process else "0"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
