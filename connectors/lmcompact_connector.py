@@ -227,4 +227,12 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # attention metadata is edited per step outside captured graphs
+        # Holes are cut in the runner's input buffers, which full decode graphs read
+        # (shim.hook_step_tables); steps that capture queries run eagerly on their own.
+        return False
+
+    @property
+    def lmcompact_step_editor(self) -> WorkerHalf | None:
+        """The worker half when it cuts holes in the runner's buffers (runner hooks)."""
+        worker = self.worker_half
+        return worker if worker is not None and worker.cut_at_build else None

@@ -282,6 +282,7 @@ class SchedulerHalf:
                 start_block=(start + count * self.kept) // bs,
                 num_blocks=hole_tokens // bs,
                 window_lead=(start + (count - 1) * self.kept) // bs,
+                req_id=sched.req_id,
             )
 
     def load_unconfirmed(self, req_id: str) -> bool:

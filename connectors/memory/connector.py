@@ -243,6 +243,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
         for req_id in req_ids:
             self._memory().cancel_hole(req_id)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # per-head counts and H2O decode work inside every attention call, decode included
+        memory = extra_config.get("memory") if isinstance(extra_config, dict) else None
+        if not isinstance(memory, dict):
+            return False
+        return memory.get("per_head") is not None or memory.get("decode_policy") == "h2o"
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # vLLM >= 0.32: the manager itself (its base implementation then calls
         # bind_gpu_block_pool, which finds the manager already bound)
@@ -284,6 +292,9 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.perhead = make_perhead_attention(self._worker())
         if self.planner.decode_recent_blocks is not None:
             self.heavy = make_heavy_hitter_scores(self._worker())
+        if self.perhead is not None or self.heavy is not None:
+            # both read this step's holes inside attention layers, on uncut metadata
+            self._worker().cut_at_build = False
         self._make_device_packer()
 
     def _make_device_packer(self) -> None:
