@@ -101,6 +101,8 @@ class EngineFacts:
     prefix_caching: bool
     device_type: str
     sliding_window: int | None = None
+    tp_size: int = 1
+    """Tensor-parallel ranks; ``num_kv_heads`` is what one rank holds."""
 
     @property
     def layout_name(self) -> str:
@@ -111,10 +113,19 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "LMCompactConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1, "
-            f"got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+            "LMCompactConnector supports pipeline_parallel_size=1 (tensor parallel is fine), "
+            f"got {parallel.pipeline_parallel_size}"
+        )
+    tp_size = int(parallel.tensor_parallel_size)
+    total_kv_heads = int(model.get_total_num_kv_heads())
+    if total_kv_heads % tp_size:
+        # vLLM replicates KV heads across ranks then: every rank would store the same
+        # head under its own key, and the per-rank slices would not partition the heads
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide the model's {total_kv_heads} KV "
+            "heads for LMCompactConnector (each rank compacts and stores its own heads)"
         )
     device_type = str(getattr(vllm_config.device_config, "device_type", "cuda") or "cuda")
     return EngineFacts(
@@ -127,7 +138,17 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         prefix_caching=bool(cache.enable_prefix_caching),
         device_type=device_type,
         sliding_window=_config_sliding_window(model),
+        tp_size=tp_size,
     )
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where vLLM's parallel state is not set up)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())
 
 
 def _config_sliding_window(model_config: Any) -> int | None:

@@ -14,6 +14,12 @@ Per step::
 
 The worker keeps no request state except queries collected for a save still to come.
 After each step it reports what it stored and loaded (:class:`WorkerReport`).
+
+Tensor parallel: each rank runs one worker half over its own KV heads (``facts.num_kv_heads``
+is the rank's count) and the queries of its own query heads, so scores, plans and stored
+rows are per rank; kept counts per chunk are the config's, equal on every rank, so the
+block tables the scheduler planned hold for all of them. A rank stores and loads its slice
+under ``key.for_rank(rank, tp_size)`` and reports those slice keys.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from connectors.holes import cut_holes_in_place
 from connectors.kv_layout import PageLayout, make_layout
 from connectors.metadata import LoadSpec, SaveSpec, StepMetadata, WorkerReport
 from lmcompact.policies import Need
-from lmcompact.store import CompactedChunk, TieredStore
+from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +49,19 @@ AttentionObserver = Callable[[str, torch.Tensor, Any, torch.Tensor], None]
 
 
 class WorkerHalf:
-    """Loads, captures and saves KV for one worker (tensor-parallel rank 0 of 1)."""
+    """Loads, captures and saves KV for one worker (one tensor-parallel rank)."""
 
     def __init__(
-        self, config: ConnectorConfig, facts: shim.EngineFacts, vllm_config: Any, store: TieredStore
+        self,
+        config: ConnectorConfig,
+        facts: shim.EngineFacts,
+        vllm_config: Any,
+        store: TieredStore,
+        tp_rank: int = 0,
     ) -> None:
         self.config = config
         self.facts = facts
+        self.tp_rank = tp_rank
         self.vllm_config = vllm_config
         self.store = store
         self.policy = config.store_policy()  # `none` when chunks are stored whole
@@ -241,6 +253,17 @@ class WorkerHalf:
                 smallest,
             )
 
+    def slice_keys(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """Store keys of this rank's slices of the chunks ``keys`` (the keys themselves
+        without tensor parallelism)."""
+        return [key.for_rank(self.tp_rank, self.facts.tp_size) for key in keys]
+
+    def report_packed(self, req_id: str) -> None:
+        """An in-place pack of ``req_id`` ran on this rank (its hole may be released once
+        every rank says so)."""
+        with self._lock:
+            self._report.packed.add((req_id, self.tp_rank))
+
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: StepMetadata) -> None:
         """The step's metadata was bound (always before its forward pass)."""
@@ -308,13 +331,14 @@ class WorkerHalf:
 
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
+        keys = self.slice_keys(load.keys)
         try:
-            found = self.store.get_many(load.keys)
+            found = self.store.get_many(keys)
         except Exception:  # tiers answer misses for faults; this is a last guard
             logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
             found = [None] * len(load.keys)
         chunks: list[CompactedChunk] = []
-        for index, (key, chunk) in enumerate(zip(load.keys, found, strict=True)):
+        for index, (key, chunk) in enumerate(zip(keys, found, strict=True)):
             problem = (
                 "missing"
                 if chunk is None
@@ -458,7 +482,7 @@ class WorkerHalf:
         first_layer = next(iter(self.layers.values()))
         return SaveJob(
             spec.req_id,
-            spec.keys,
+            self.slice_keys(spec.keys),
             spec.start,
             spec.num_tokens,
             pages,

@@ -10,9 +10,11 @@ in place at prefill end) run in fresh subprocesses of one invocation::
     e2e_ratio[b]    = output_tok_s(b) / output_tok_s(baseline)       (wall clock, all work)
     decode_ratio[b] = decode_tok_s(b) / decode_tok_s(baseline)       (decode-only steps)
 
-``--quick`` runs on the CPU with SmolLM2 in a few minutes. For a serving shape without
-weights, ``--shape llama3-8b`` writes a config folder (Llama-3-8B: 32 layers, 32 query /
-8 KV heads, head_dim 128) and loads random weights (``load_format="dummy"``).
+``--quick`` runs on the CPU with SmolLM2 in a few minutes. ``--tensor-parallel-size N``
+splits the model across N GPUs (CPU: N worker processes) with vLLM's ``mp`` executor. For a
+serving shape without weights, ``--shape llama3-8b`` writes a config folder (Llama-3-8B:
+32 layers, 32 query / 8 KV heads, head_dim 128) and loads random weights
+(``load_format="dummy"``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reserve", action="store_true", help="admission without reserve")
     parser.add_argument("--no-warm-up", action="store_true", help="skip start-up warm-up")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (CPU: processes) the model is split across; its KV heads must divide by it",
+    )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -97,6 +105,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
         base["pool_requests"] = None
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    base["tensor_parallel_size"] = args.tensor_parallel_size
     return base
 
 
@@ -201,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": dtype,
             "load_format": load_format,
             "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": settings["tensor_parallel_size"],
         }
         memory = {
             "prefill": "pack",
