@@ -263,16 +263,15 @@ def validate_against_engine(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
-    prefix_caching: bool,
     per_head_counts: bool = False,
 ) -> None:
     """Checks that need the engine: ValueError with the bad value and what is allowed.
 
     A compacting policy must (1) keep the same number of tokens in every (layer, head),
     because attention skips one block-aligned hole per request (unless ``per_head_counts``:
-    the memory connector's ``per_head`` option pads and masks), (2) need only inputs the
-    connector captures, and (3) run with vLLM prefix caching off, because vLLM would
-    otherwise hash the packed (compacted) blocks as if they held the full prefix.
+    the memory connector's ``per_head`` option pads and masks), and (2) need only inputs
+    the connector captures. vLLM's prefix caching may stay on: compacted blocks are kept
+    out of its cache (:class:`connectors.memory.blocks.PrefixCacheGuard`).
     """
     if config.chunk_size % block_size:
         allowed = ", ".join(str(block_size * k) for k in (2, 4, 8, 16))
@@ -285,12 +284,6 @@ def validate_against_engine(
     if config.store_compacts and (config.save or config.load):
         # chunks stored whole (compact_on "load") are packed per prompt, checked there
         check_budget_geometry(float(config.budget), config.chunk_size, block_size)
-    if prefix_caching:
-        raise ValueError(
-            f"policy {config.policy!r} compacts the KV, which vLLM's prefix cache cannot "
-            "represent: start vLLM with enable_prefix_caching=False "
-            "(--no-enable-prefix-caching), or use policy 'none'"
-        )
     policy = config.make_policy()
     missing = policy.needs & UNSUPPORTED_NEEDS
     if missing:

@@ -22,6 +22,7 @@ import torch
 
 from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig, validate_against_engine
+from connectors.memory.blocks import PrefixCacheGuard
 from connectors.metadata import StepMetadata, WorkerReport
 from connectors.scheduler_side import SchedulerHalf
 from connectors.store_registry import STORES
@@ -100,7 +101,6 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
             num_layers=self.facts.num_layers,
             num_kv_heads=self.facts.num_kv_heads,
             head_dim=self.facts.head_dim,
-            prefix_caching=self.facts.prefix_caching,
             per_head_counts=self.per_head_counts,
         )
         # the worker's values carry its rank's namespace (a slice of another rank is refused
@@ -110,6 +110,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         self.store: TieredStore = STORES.acquire(self.namespace, self.config.store_config())
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
+        self.cache_guard: PrefixCacheGuard | None = None  # scheduler side, prefix caching
         if self.config.load and not shim.recomputes_failed_loads(vllm_config):
             logger.warning(
                 "kv_load_failure_policy is 'fail': a stored chunk that is missing or damaged "
@@ -214,7 +215,38 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         subclasses that track holes of their own."""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler().after_alloc(request, num_external_tokens)
+        scheduler = self._scheduler()
+        scheduler.after_alloc(request, num_external_tokens)
+        start = scheduler.compacted_load_start(request.request_id)
+        if start is not None and self.cache_guard is not None:
+            # vLLM hashed the load's blocks in allocate_slots; they will hold kept rows, and
+            # the rest of the request attends to them: unhash before any other lookup
+            self.cache_guard.freeze(request.request_id, start // self.facts.block_size)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        # vLLM >= 0.32 (its base implementation then calls bind_gpu_block_pool)
+        self.bind_cache_guard(kv_cache_manager)
+        super().bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self.cache_guard is not None or not self.facts.prefix_caching:
+            return
+        # vLLM 0.26 hands over only the pool; its owner is the scheduler's manager
+        manager = shim.kv_cache_manager_owning(gpu_block_pool)
+        if manager is None:
+            raise RuntimeError(
+                f"{type(self).__name__} could not find the KVCacheManager that owns the block "
+                f"pool (vLLM {shim.vllm_version()}), so it cannot keep compacted blocks out "
+                "of vLLM's prefix cache; start vLLM with enable_prefix_caching=False"
+            )
+        self.bind_cache_guard(manager)
+
+    def bind_cache_guard(self, kv_cache_manager: Any) -> None:
+        """With vLLM's prefix caching on, keep compacted blocks out of its cache
+        (:class:`connectors.memory.blocks.PrefixCacheGuard`)."""
+        if self.cache_guard is None and self.facts.prefix_caching:
+            self.cache_guard = PrefixCacheGuard(kv_cache_manager)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
         return LMCompactMetadata(self._scheduler().build_metadata(scheduler_output))

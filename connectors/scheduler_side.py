@@ -195,6 +195,16 @@ class SchedulerHalf:
         if not tracked.confirmed:
             tracked.pending = 0
 
+    def compacted_load_start(self, req_id: str) -> int | None:
+        """First token of the load just confirmed for ``req_id`` when its chunks are
+        compacted (kept rows where vLLM expects every token), else None."""
+        tracked = self._requests.get(req_id)
+        if tracked is None or not (tracked.confirmed and tracked.pending):
+            return None
+        if self.kept >= self.config.chunk_size:
+            return None
+        return tracked.pending_start
+
     def take_report(self, report: WorkerReport) -> set[str]:
         """Fold a worker report in; return the requests whose loads failed (their holes
         are gone: vLLM recomputes them from the load's start)."""

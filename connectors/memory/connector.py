@@ -2,8 +2,7 @@
 
 Load it with::
 
-    LLM(..., enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(
+    LLM(..., kv_transfer_config=KVTransferConfig(
             kv_connector="LMCompactMemoryConnector",
             kv_connector_module_path="connectors.memory.connector",
             kv_role="kv_both",
@@ -121,20 +120,15 @@ class LMCompactMemoryConnector(LMCompactConnector):
             per_head_slack=self.memory.per_head_slack(),
             decode_recent_blocks=self.memory.decode_recent_blocks(bs),
         )
-        if self.planner.decode_recent_blocks is not None and self.facts.prefix_caching:
-            raise ValueError(
-                "memory.decode_policy 'h2o' rewrites a request's kept blocks in place, which "
-                "vLLM's prefix cache cannot represent: start vLLM with "
-                "enable_prefix_caching=False"
-            )
         self._check_pack_geometry(int(vllm_config.model_config.max_model_len))
         self._refuse_under_tensor_parallel()
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
         self.heavy: HeavyHitterScores | None = None  # worker side, with decode_policy h2o
-        if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
+        if self.facts.prefix_caching and self.config.compacts:
             logger.info(
-                "decode budget with prefix caching on: shared or cached blocks in a "
-                "hole stay held until the request ends"
+                "prefix caching on: packs leave the blocks vLLM's cache served (or another "
+                "request shares) untouched and compact the rest; compacted blocks are never "
+                "hashed; shared blocks in a hole stay held until the request ends"
             )
         self.memory_scheduler: MemoryScheduler | None = None
         self.pack_stats: dict[str, float] = {
@@ -256,10 +250,12 @@ class LMCompactMemoryConnector(LMCompactConnector):
         # bind_gpu_block_pool, which finds the manager already bound)
         self._memory().bind(kv_cache_manager)
         super().bind_kv_cache_manager(kv_cache_manager)
+        self._memory().guard = self.cache_guard
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
         memory = self._memory()
+        memory.guard = self.cache_guard
         if memory.ledger is not None:
             return
         # vLLM 0.26 hands over only the pool; its owner is the scheduler's manager
@@ -405,6 +401,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 windows[job.req_id],
                 reserved=None if self.perhead is None else job.reserved,
                 recent_layers=worker.sliding_layers,
+                start=job.start,
             )
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
@@ -416,11 +413,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.pack_stats["tokens"] += job.num_tokens
             self.pack_stats["seconds"] += time.perf_counter() - began
             logger.info(
-                "compacted %s in place: kept %d of %d prompt tokens per (layer, head) (%s)",
+                "compacted %s in place: kept %d of %d prompt tokens per (layer, head) (%s)%s",
                 job.req_id,
-                job.kept,
-                job.num_tokens,
+                job.start + job.kept,
+                job.start + job.num_tokens,
                 self.config.policy,
+                f"; its first {job.start} are shared through vLLM's prefix cache"
+                if job.start
+                else "",
             )
             self._pack_times.append((time.perf_counter() - began, None, None))
             logger.debug("packed %s: %d -> %d tokens", job.req_id, job.num_tokens, job.kept)
@@ -435,13 +435,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
         queries = None
         if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
             queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
+        first = job.start // self.facts.block_size  # shared blocks before it stay as they are
         self.device_packer.pack(
-            job.block_ids,
+            job.block_ids[first:],
             job.num_tokens,
             job.kept,
             self._policy,
             queries,
-            None if window is None else window.positions,
+            None if window is None else window.positions - job.start,
         )
         end.record()
         worker._captured.pop(job.req_id, None)

@@ -7,6 +7,10 @@ live paged cache, layer by layer::
     head 0 keeps   t0 t5 tA tB  ->  [ t0 t5 tA tB | (hole ........) | tC .. ]
     head 1 keeps   t0 t1 t9 tB  ->  [ t0 t1 t9 tB | (hole ........) | tC .. ]
 
+With prefix caching a request may start with blocks it shares with other requests
+(``start`` > 0): those stay as they are, and the span ``[start, start + num_tokens)`` is
+packed into slots ``[start, start + kept)``.
+
 Each (layer, head) keeps the same number of tokens (``kept``, whole blocks), in original
 order; slots hold post-RoPE keys, so which original token lands in which slot does not
 matter to attention. All of a layer's K/V are read (a copy) before anything is written, so
@@ -57,8 +61,9 @@ def plan_pack(
     reserved: int | None = None,
     kernel_dtype: torch.dtype | None = None,
     recent_layers: frozenset[int] = frozenset(),
+    start: int = 0,
 ) -> list[list[torch.Tensor]]:
-    """Kept token indices per (layer, head), sorted.
+    """Kept token indices per (layer, head), sorted, relative to the span's first token.
 
     Args:
         per_layer: per layer ``(H, T, D)`` keys and values of the span.
@@ -74,6 +79,7 @@ def plan_pack(
             tokens whatever the policy chose (:meth:`lmcompact.plan.KeepPlan.with_recent`),
             so slot ``s`` holds token ``num_tokens - kept + s`` and vLLM's window mask by
             key index is the logical one. Not with ``reserved``.
+        start: absolute position of the span's first token (window positions are absolute).
     """
     if recent_layers and reserved is not None:
         raise ValueError("per-head counts (reserved) cannot be combined with recent_layers")
@@ -87,7 +93,7 @@ def plan_pack(
             values,
             queries,
             None if window is None else window.positions.to(keys.device),
-            0,
+            start,
             policy.needs,
             1.0 if window is None else window.scale,
             kernel_dtype,
@@ -159,8 +165,10 @@ def pack_in_place(
     window: WindowQueries | None = None,
     reserved: int | None = None,
     recent_layers: frozenset[int] = frozenset(),
+    start: int = 0,
 ) -> list[list[torch.Tensor]]:
-    """Pack each (layer, head)'s kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+    """Pack each (layer, head)'s kept tokens of ``[start, start + num_tokens)`` into slots
+    ``[start, start + kept)``; slots before ``start`` are neither read nor written.
 
     Args:
         kv_layers: per layer paged cache ``(num_blocks, H, block_size, 2 * D)``.
@@ -175,6 +183,8 @@ def pack_in_place(
             None: every head keeps exactly ``kept``.
         recent_layers: sliding-window layers, which keep the most recent ``kept`` tokens
             (see :func:`plan_pack`).
+        start: first token of the span (block aligned): blocks before it are shared with
+            other requests through vLLM's prefix cache and stay untouched.
 
     Returns:
         The kept indices per (layer, head); with ``reserved`` their lengths are the counts
@@ -182,14 +192,18 @@ def pack_in_place(
     """
     bs = layout.block_size
     slots = kept if reserved is None else reserved
-    if num_tokens % bs or slots % bs or not 0 < kept <= slots < num_tokens:
+    if num_tokens % bs or slots % bs or start % bs or not 0 < kept <= slots < num_tokens:
         raise ValueError(
             f"pack needs block-aligned 0 < kept <= reserved < num_tokens, got kept={kept}, "
-            f"reserved={reserved}, num_tokens={num_tokens}, block_size={bs}"
+            f"reserved={reserved}, num_tokens={num_tokens}, start={start}, block_size={bs}"
         )
-    per_layer = [layout.read(kv, block_ids, 0, num_tokens) for kv in kv_layers]
+    if start and reserved is not None:
+        raise ValueError("per-head counts (reserved) pack from token 0 only")
+    per_layer = [layout.read(kv, block_ids, start, num_tokens) for kv in kv_layers]
     per_layer = [(k.float(), v.float()) for k, v in per_layer]
-    chosen = plan_pack(per_layer, policy, kept, window, reserved, kv_layers[0].dtype, recent_layers)
+    chosen = plan_pack(
+        per_layer, policy, kept, window, reserved, kv_layers[0].dtype, recent_layers, start
+    )
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved, per_layer)
         return chosen
@@ -197,6 +211,6 @@ def pack_in_place(
         index = torch.stack(heads).to(keys.device)  # (H, kept)
         gather = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
         layout.write(
-            kv, block_ids, 0, torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+            kv, block_ids, start, torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         )
     return chosen

@@ -11,6 +11,13 @@ prompt's full blocks ``nb = prompt_len // bs``, keeping ``kb`` of them:
     logical blocks  [ 0 .. kb-1 | kb ........ nb-1 | nb (partial) .. ]
     contents        [ kept, packed | hole          | tail, untouched  ]
 
+With vLLM's prefix caching, the first ``p`` blocks may be *protected* (shared with another
+request, or hits from vLLM's cache that other requests may hit again): a pack never
+rewrites them, so it compacts the span after them and sliding-window layers skip them::
+
+    logical blocks  [ 0 .. p-1 | p .. p+kb-1 | p+kb ...... nb-1 | nb (partial) .. ]
+    contents        [ protected| kept, packed | hole            | tail, untouched  ]
+
 ``blocks`` (StreamingLLM at block granularity: sinks + most recent blocks, no copy)::
 
     logical blocks  [ 0 .. s-1 | s ....... nb-r-1 | nb-r .. nb-1 | nb .. ]
@@ -93,7 +100,8 @@ class HoleState:
 
 @dataclass(frozen=True)
 class Pack:
-    """Worker job: pack kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+    """Worker job: pack kept tokens of ``[start, start + num_tokens)`` into slots
+    ``[start, start + kept)``.
 
     Attributes:
         req_id: request id.
@@ -102,12 +110,14 @@ class Pack:
             mean count the policy is asked for.
         reserved: slots every head holds (whole blocks; the hole starts there): ``kept``,
             or more with per-head counts.
+        start: first token of the span (protected blocks before it stay untouched).
     """
 
     req_id: str
     num_tokens: int
     kept: int
     reserved: int
+    start: int = 0
 
 
 class HolePlanner:
@@ -187,8 +197,16 @@ class HolePlanner:
         wanted = math.ceil(kept_blocks * self.per_head_slack - 1e-9)
         return max(kept_blocks, min(wanted, prompt_blocks - 1))
 
-    def prefill_end(self, req_id: str, prompt_len: int, first_block: int, step: int) -> Pack | None:
+    def prefill_end(
+        self, req_id: str, prompt_len: int, first_block: int, step: int, protected: int = 0
+    ) -> Pack | None:
         """Open the request's hole for the step that completes its prompt.
+
+        Args:
+            protected: leading blocks a pack must not rewrite (``pack`` mode compacts the
+                span after them; the budget applies to that span; with per-head counts
+                such a prompt is not packed). ``blocks`` mode rewrites nothing and ignores
+                it.
 
         Returns:
             The pack the worker must run after this step's forward pass (``pack`` mode),
@@ -198,13 +216,25 @@ class HolePlanner:
             return None
         bs = self.block_size
         nb = prompt_len // bs
+        if self.prefill_mode is PrefillMode.PACK:
+            span = nb - protected
+            kb = self.kept_blocks(span) if span > 0 else 0
+            if nb < self.min_prompt_blocks or kb >= span:
+                return None
+            if protected and self.per_head_slack is not None:
+                return None
+            kr = self.reserved_blocks(kb, span)
+            self.holes[req_id] = HoleState(
+                first_block,
+                protected + kr,
+                span - kr,
+                visible_from=step + 1,
+                window_lead=protected,
+            )
+            return Pack(req_id, span * bs, kb * bs, kr * bs, protected * bs)
         kb = self.kept_blocks(nb)
         if nb < self.min_prompt_blocks or kb >= nb:
             return None
-        if self.prefill_mode is PrefillMode.PACK:
-            kr = self.reserved_blocks(kb, nb)
-            self.holes[req_id] = HoleState(first_block, kr, nb - kr, visible_from=step + 1)
-            return Pack(req_id, nb * bs, kb * bs, kr * bs)
         sinks = min(self.sink_blocks, kb)
         recent = kb - sinks
         self.holes[req_id] = HoleState(

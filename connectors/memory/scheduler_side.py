@@ -57,7 +57,7 @@ from typing import Any
 from connectors import vllm_shim as shim
 from connectors.compaction import SCORE_NEEDS
 from connectors.holes import Hole
-from connectors.memory.blocks import BlockLedger
+from connectors.memory.blocks import BlockLedger, PrefixCacheGuard
 from connectors.memory.heavy_hitters import MergeJob
 from connectors.memory.planner import HolePlanner
 from connectors.metadata import CaptureSpec, StepMetadata
@@ -67,7 +67,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackJob:
-    """Worker job: pack kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)``.
+    """Worker job: pack kept tokens of ``[start, start + num_tokens)`` into slots
+    ``[start, start + kept)``.
 
     Attributes:
         req_id: request id.
@@ -75,6 +76,8 @@ class PackJob:
         num_tokens: tokens compacted (whole blocks).
         kept: tokens each (layer, head) keeps (whole blocks); the mean with per-head counts.
         reserved: slots each head holds, the hole's start (``kept`` unless per-head).
+        start: first token of the span; the blocks before it are shared through vLLM's
+            prefix cache and stay untouched (0 without prefix caching).
     """
 
     req_id: str
@@ -82,6 +85,7 @@ class PackJob:
     num_tokens: int
     kept: int
     reserved: int
+    start: int = 0
 
 
 @dataclass
@@ -95,6 +99,8 @@ class MemoryStats:
     repacks: int = 0
     preemptions: int = 0
     admissions_deferred: int = 0
+    protected_blocks: int = 0  # prompt blocks packs left untouched (prefix caching)
+    merges_skipped_shared: int = 0  # H2O merges not run: the kept region is shared
     peak_held: dict[str, int] = field(default_factory=dict)
 
 
@@ -137,6 +143,10 @@ class MemoryScheduler:
         self._freed: dict[str, int] = {}
         self.stats = MemoryStats()
         self.held_back: Callable[[str], bool] = lambda req_id: False
+        # with vLLM's prefix caching: the guard keeping compacted blocks unhashed, and per
+        # request the leading blocks vLLM's cache served it (never rewritten by a pack)
+        self.guard: PrefixCacheGuard | None = None
+        self._hit_blocks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -254,10 +264,17 @@ class MemoryScheduler:
             req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
         )
         hole = self.planner.holes.get(req_id)
+        if grown and self.guard is not None:
+            # from now on its tokens attend past a hole: not the full prefix's KV
+            self.guard.freeze(req_id, processed // self.block_size)
         if grown and hole is not None and self.planner.decode_recent_blocks is not None:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
-            if hole.start > self.planner.sink_blocks:
+            if hole.start > self.planner.sink_blocks and not self._merge_allowed(
+                req_id, row, hole.start
+            ):
+                self.stats.merges_skipped_shared += 1  # the block leaves as in "recent"
+            elif hole.start > self.planner.sink_blocks:
                 ids = [block.block_id for block in row]  # the merged blocks, before release
                 self.merges.append(
                     MergeJob(
@@ -269,9 +286,21 @@ class MemoryScheduler:
                 )
         self._release(req_id)
 
+    def _merge_allowed(self, req_id: str, row: list[Any], stop: int) -> bool:
+        """An H2O merge rewrites the kept region's non-sink blocks ``[sinks, stop)``: only
+        when the request owns them alone; their hashes go first (prefix caching)."""
+        if self.guard is None:
+            return True
+        sinks = self.planner.sink_blocks
+        if not all(block.ref_cnt == 1 for block in row[sinks:stop]):
+            return False
+        self.guard.freeze(req_id, sinks)
+        return True
+
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
         self.live.pop(req_id, None)
+        self._hit_blocks.pop(req_id, None)
         self._released_to.pop(req_id, None)
         self._freed.pop(req_id, None)
         self.merges = [job for job in self.merges if job.req_id != req_id]
@@ -329,11 +358,15 @@ class MemoryScheduler:
         self.scored = {}
         self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
         self.packed -= shim.finished_req_ids(scheduler_output)
+        load_starts = {load.req_id: load.start for load in meta.loads}
         for sched in shim.scheduled_requests(scheduler_output):
             request = self.live.get(sched.req_id)
             blocks = ledger.blocks(sched.req_id)
             if request is None or not blocks:
                 continue
+            if sched.replace:  # new or resumed: what vLLM's own cache served it
+                hit = load_starts.get(sched.req_id, sched.num_computed)
+                self._hit_blocks[sched.req_id] = hit // self.block_size
             first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
             foreign = meta.holes.get(first)
@@ -353,11 +386,25 @@ class MemoryScheduler:
             if self.capture:
                 self._plan_capture(sched.req_id, blocks, prompt_len, lo, hi, meta)
             if lo < prompt_len <= hi:
-                pack = self.planner.prefill_end(sched.req_id, prompt_len, first, step)
+                protected = self._protected_blocks(sched.req_id, blocks, prompt_len)
+                pack = self.planner.prefill_end(sched.req_id, prompt_len, first, step, protected)
+                if self.guard is not None and sched.req_id in self.planner.holes:
+                    # packed blocks are rewritten; blocks mode rewrites none, but every
+                    # token after the prompt attends past its hole
+                    frontier = prompt_len // self.block_size if pack is None else protected
+                    self.guard.freeze(sched.req_id, frontier)
                 if pack is not None:
+                    self.stats.protected_blocks += protected
                     row = [block.block_id for block in blocks]
                     packs.append(
-                        PackJob(sched.req_id, row, pack.num_tokens, pack.kept, pack.reserved)
+                        PackJob(
+                            sched.req_id,
+                            row,
+                            pack.num_tokens,
+                            pack.kept,
+                            pack.reserved,
+                            pack.start,
+                        )
                     )
                     self.stats.packs += 1
                     if sched.req_id in self.packed:
@@ -377,6 +424,19 @@ class MemoryScheduler:
                 self.stats.peak_held[req_id] = held
         self.step += 1
         return packs
+
+    def _protected_blocks(self, req_id: str, row: list[Any], prompt_len: int) -> int:
+        """Leading prompt blocks a pack must leave alone (0 without prefix caching): those
+        vLLM's cache served this request (other requests may hit them again) and, up to
+        the last one, those another request holds too (it reads them through a hit)."""
+        if self.guard is None:
+            return 0
+        full = prompt_len // self.block_size
+        protected = min(self._hit_blocks.get(req_id, 0), full)
+        for index in range(full - 1, protected - 1, -1):
+            if row[index].ref_cnt > 1:
+                return index + 1
+        return protected
 
     def _plan_capture(
         self, req_id: str, row: list[Any], prompt_len: int, lo: int, hi: int, meta: StepMetadata

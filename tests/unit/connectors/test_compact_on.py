@@ -51,17 +51,11 @@ def test_load_still_checks_the_policy_shape() -> None:
     config = ConnectorConfig.from_extra(
         {"policy": "snapkv", "budget": 0.25, "chunk_size": 64, "compact_on": "load"}
     )
-    validate_against_engine(
-        config, block_size=32, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=False
-    )
-    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
-        validate_against_engine(
-            config, block_size=32, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=True
-        )
+    validate_against_engine(config, block_size=32, num_layers=2, num_kv_heads=2, head_dim=16)
     adakv = ConnectorConfig.from_extra({"policy": "adakv", "compact_on": "load"})
     with pytest.raises(ValueError, match="different numbers of tokens"):
         validate_against_engine(  # SmolLM2's shape
-            adakv, block_size=32, num_layers=30, num_kv_heads=3, head_dim=64, prefix_caching=False
+            adakv, block_size=32, num_layers=30, num_kv_heads=3, head_dim=64
         )
 
 

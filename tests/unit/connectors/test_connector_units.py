@@ -20,7 +20,6 @@ def engine_checks(config: ConnectorConfig, **overrides: object) -> None:
         "num_layers": 2,
         "num_kv_heads": 2,
         "head_dim": 16,
-        "prefix_caching": False,
     }
     kwargs.update(overrides)
     validate_against_engine(config, **kwargs)  # type: ignore[arg-type]
@@ -47,10 +46,7 @@ def test_engine_checks() -> None:
     with pytest.raises(ValueError, match="multiple of the engine block size 32"):
         engine_checks(ConnectorConfig.from_extra({"chunk_size": 100}))
     snap = ConnectorConfig.from_extra({"policy": "snapkv", "chunk_size": 64})
-    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
-        engine_checks(snap, prefix_caching=True)
-    engine_checks(snap)
-    engine_checks(ConnectorConfig.from_extra({"policy": "none"}), prefix_caching=True)
+    engine_checks(snap)  # prefix caching is no longer refused (PrefixCacheGuard)
     with pytest.raises(ValueError, match="CUMULATIVE_SCORES"):
         engine_checks(ConnectorConfig.from_extra({"policy": "h2o", "chunk_size": 64}))
     with pytest.raises(ValueError, match="different numbers of tokens per head or layer"):
@@ -67,7 +63,6 @@ def test_engine_checks() -> None:
         num_layers=30,
         num_kv_heads=3,
         head_dim=64,
-        prefix_caching=False,
         per_head_counts=True,  # the memory connector's per_head mode masks the padding
     )
     with pytest.raises(ValueError, match="CUMULATIVE_SCORES"):  # needs are still checked
@@ -77,7 +72,6 @@ def test_engine_checks() -> None:
             num_layers=2,
             num_kv_heads=2,
             head_dim=8,
-            prefix_caching=False,
             per_head_counts=True,
         )
 

@@ -87,12 +87,12 @@ def test_engine_checks_accept_both_and_need_a_window() -> None:
     kwargs: dict[str, Any] = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
     for name in ("kvzip", "expected_attention"):
         config = ConnectorConfig.from_extra({"policy": name, "budget": 0.5, "chunk_size": 128})
-        validate_against_engine(config, prefix_caching=False, **kwargs)
+        validate_against_engine(config, **kwargs)
     config = ConnectorConfig.from_extra(
         {"policy": "expected_attention", "budget": 0.5, "chunk_size": 128, "window": 0}
     )
     try:
-        validate_against_engine(config, prefix_caching=False, **kwargs)
+        validate_against_engine(config, **kwargs)
     except ValueError as error:
         assert "window must be >= 1" in str(error)
     else:  # pragma: no cover

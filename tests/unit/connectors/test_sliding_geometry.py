@@ -127,9 +127,7 @@ def test_budget_within_tolerance_passes() -> None:
 
 def test_geometry_is_checked_only_with_the_store_path() -> None:
     def check(config: ConnectorConfig) -> None:
-        validate_against_engine(
-            config, block_size=128, num_layers=2, num_kv_heads=2, head_dim=16, prefix_caching=False
-        )
+        validate_against_engine(config, block_size=128, num_layers=2, num_kv_heads=2, head_dim=16)
 
     with pytest.raises(ValueError, match=r"budget 0\.25 cannot be honoured"):
         check(ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25}))

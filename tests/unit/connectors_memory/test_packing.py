@@ -38,6 +38,32 @@ def test_streaming_pack_moves_sinks_and_recent_tokens(layout_name: str) -> None:
         assert torch.equal(kv[[1, 4, 6, 8, 10]], untouched[layer])  # other requests' blocks
 
 
+@pytest.mark.parametrize("layout_name", ["head_major_kt", "token_major"])
+def test_pack_after_shared_blocks_leaves_them_untouched(layout_name: str) -> None:
+    """``start``: blocks shared through vLLM's prefix cache are neither read nor written;
+    the span after them packs as a pack of that span alone would (window positions are
+    absolute)."""
+    layout = make_layout(layout_name, BS)
+    layers = [paged(12, 7), paged(12, 8)]
+    row = [9, 3, 5, 0, 11, 2, 7]
+    before = [kv.clone() for kv in layers]
+    gen = torch.Generator().manual_seed(2)
+    queries = torch.randn(4, H, D, generator=gen)
+    policy = make_policy("snapkv", budget=BS, window_size=4, kernel_size=1)
+    absolute = WindowQueries([queries] * 2, torch.arange(6 * BS - 4, 6 * BS), scale=1.0)
+    chosen = pack_in_place(layers, layout, row, 4 * BS, BS, policy, absolute, start=2 * BS)
+    # the same span packed on its own, with window positions relative to it
+    alone = [kv.clone() for kv in before]
+    relative = WindowQueries([queries] * 2, torch.arange(4 * BS - 4, 4 * BS), scale=1.0)
+    expected = pack_in_place(alone, layout, row[2:], 4 * BS, BS, policy, relative)
+    for layer, kv in enumerate(layers):
+        assert [c.tolist() for c in chosen[layer]] == [e.tolist() for e in expected[layer]]
+        assert torch.equal(kv[row[:2]], before[layer][row[:2]])  # shared blocks untouched
+        assert torch.equal(kv, alone[layer])
+    with pytest.raises(ValueError, match="block-aligned"):
+        pack_in_place(layers, layout, row, 4 * BS, BS, policy, absolute, start=BS + 1)
+
+
 def test_snapkv_pack_uses_window_queries_per_head() -> None:
     layout = make_layout("head_major_kt", BS)
     kv = paged(6, 3)

@@ -21,6 +21,23 @@ def test_pack_opens_hole_after_kept_blocks_visible_next_step() -> None:
     assert planner.prefill_end("r", 16 * BS + 5, 7, 9) is None  # once per request
 
 
+def test_protected_blocks_stay_and_the_span_after_them_is_packed() -> None:
+    """Prefix caching: the first blocks are shared; the budget applies to the rest."""
+    planner = HolePlanner(BS, PrefillMode.PACK, budget=0.25)
+    pack = planner.prefill_end("r", 16 * BS + 5, first_block=7, step=3, protected=4)
+    assert pack is not None
+    assert (pack.start, pack.num_tokens, pack.kept) == (4 * BS, 12 * BS, 3 * BS)
+    hole = planner.visible("r", 4)
+    assert hole is not None and (hole.start, hole.stop, hole.window_lead) == (7, 16, 4)
+    # nothing left to compact after the protected blocks
+    assert planner.prefill_end("s", 16 * BS, 8, 0, protected=15) is None
+    assert planner.prefill_end("t", 16 * BS, 9, 0, protected=16) is None
+    assert "s" not in planner.holes and "t" not in planner.holes
+    per_head = HolePlanner(BS, PrefillMode.PACK, budget=0.25, per_head_slack=1.5)
+    assert per_head.prefill_end("r", 16 * BS, 7, 0, protected=2) is None  # packs from 0 only
+    assert per_head.prefill_end("u", 16 * BS, 7, 0, protected=0) is not None
+
+
 def test_uniform_pack_reserves_exactly_the_kept_blocks() -> None:
     planner = HolePlanner(BS, PrefillMode.PACK, budget=0.25)
     pack = planner.prefill_end("r", 16 * BS, first_block=7, step=0)
