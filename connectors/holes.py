@@ -29,8 +29,8 @@ window mask is exact; it loses what lies before the lead (documented, never sile
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,9 +40,8 @@ class Hole:
     """One request's hole, in blocks.
 
     Attributes:
-        first_block: physical id of the request's first block; identifies its batch row
-            (blocks are never shared between live requests when a policy compacts, because
-            prefix caching is required off).
+        first_block: the physical block at column ``key_column`` of the request's block
+            table row; identifies its batch row (the key of a step's holes).
         start_block: logical index of the first hole block.
         num_blocks: blocks in the hole.
         window_lead: leading blocks ``[0, window_lead)`` that sliding-window layers skip as
@@ -50,6 +49,12 @@ class Hole:
             distance (see the module docstring). Full-attention layers ignore it.
         req_id: the request, for runners that know their batch rows by request id
             (:func:`cut_holes_in_place`); empty where only the first block is known.
+        key_column: where ``first_block`` sits in the row: 0 (the request's first block)
+            unless vLLM's prefix cache may share that block with another live request;
+            then the row's last block in this step (the one holding its newest token: the
+            request writes it and it is never hashed, so no other row holds it there). A
+            row matches a key column > 0 only if that column is its last one, so a stale
+            id another row still lists inside its own hole never matches.
     """
 
     first_block: int
@@ -57,12 +62,19 @@ class Hole:
     num_blocks: int
     window_lead: int = 0
     req_id: str = ""
+    key_column: int = 0
 
     def __post_init__(self) -> None:
         if self.start_block < 0 or self.num_blocks < 1:
             raise ValueError(f"a hole needs start_block >= 0 and num_blocks >= 1, got {self}")
         if not 0 <= self.window_lead <= self.start_block:
             raise ValueError(f"a hole needs 0 <= window_lead <= start_block, got {self}")
+        if self.key_column < 0 or self.start_block <= self.key_column < self.stop_block:
+            raise ValueError(f"a hole's key column must be >= 0 and outside it, got {self}")
+
+    @property
+    def stop_block(self) -> int:
+        return self.start_block + self.num_blocks
 
 
 def skip_holes(
@@ -79,7 +91,7 @@ def skip_holes(
         block_table: ``(rows, max_blocks)`` int32 physical block ids per batch row.
         seq_lens: ``(rows,)`` int32 key lengths (logical).
         num_reqs: rows in use (the rest is padding).
-        holes: hole per first physical block id.
+        holes: hole per row key (:attr:`Hole.first_block`, at :attr:`Hole.key_column`).
         block_size: tokens per block.
         sliding: the table serves sliding-window layers: also cut each hole's
             ``window_lead`` blocks (the row's column 0 then no longer is its first block).
@@ -90,15 +102,15 @@ def skip_holes(
     """
     if not holes or num_reqs == 0:
         return None
-    firsts = block_table[:num_reqs, 0].tolist()
-    rows = [r for r, first in enumerate(firsts) if first in holes]
-    if not rows:
+    found = _rows_of(block_table, seq_lens, num_reqs, holes, block_size)
+    if not found:
         return None
     table = block_table.clone()
     lens = seq_lens.clone()
     width = table.shape[1]
+    rows = sorted(found)
     for r in rows:
-        hole = holes[firsts[r]]
+        hole = found[r]
         s, n = hole.start_block, hole.num_blocks
         if s + n > width or int(lens[r]) <= (s + n) * block_size:
             raise ValueError(
@@ -113,6 +125,42 @@ def skip_holes(
     return table, lens, rows
 
 
+def last_column(seq_len: int, block_size: int) -> int:
+    """Column of a row's last block for a key length of ``seq_len`` tokens."""
+    return max(0, -(-seq_len // block_size) - 1)
+
+
+def keyed_by_last_block(hole: Hole, row: Sequence[int], seq_len: int, block_size: int) -> Hole:
+    """``hole`` keyed by the row's last block for a step whose key length is ``seq_len``
+    (prefix caching: the row's first block may be shared with another live request)."""
+    column = last_column(seq_len, block_size)
+    return replace(hole, first_block=int(row[column]), key_column=column)
+
+
+def _rows_of(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    holes: Mapping[int, Hole],
+    block_size: int,
+) -> dict[int, Hole]:
+    """Batch row -> its hole: the row whose column ``key_column`` holds the hole's key
+    (for a column > 0, only if it is the row's last)."""
+    columns = {hole.key_column for hole in holes.values()}
+    width = block_table.shape[1]
+    lasts = [last_column(int(n), block_size) for n in seq_lens[:num_reqs].tolist()]
+    found: dict[int, Hole] = {}
+    for column in sorted(c for c in columns if c < width):
+        keys = block_table[:num_reqs, column].tolist()
+        for r, key in enumerate(keys):
+            hole = holes.get(key)
+            if hole is None or hole.key_column != column:
+                continue
+            if column == 0 or lasts[r] == column:
+                found[r] = hole
+    return found
+
+
 def skip_holes_on_device(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -122,8 +170,8 @@ def skip_holes_on_device(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`skip_holes` without reading the table back to the host (no synchronisation).
 
-    Rows are matched to holes by their first block on the device (a sorted lookup of the
-    holes' first blocks); every row shifts its columns from the hole's start left by the
+    Rows are matched to holes by their key block on the device (a sorted lookup of the
+    holes' keys in each key column); every row shifts its columns from the hole's start left by the
     hole's length (rows without a hole shift by 0), and the key length shrinks by the hole.
     The per-row checks of :func:`skip_holes` are not made (they would need the host).
 
@@ -133,18 +181,26 @@ def skip_holes_on_device(
     if not holes or num_reqs == 0:
         return None
     device = block_table.device
-    firsts = sorted(holes)
-    keys = torch.tensor(firsts, dtype=block_table.dtype).to(device, non_blocking=True)
-    spec = torch.tensor(
-        [[holes[f].start_block, holes[f].num_blocks] for f in firsts], dtype=torch.int64
-    ).to(device, non_blocking=True)
     rows, width = block_table.shape
-    first = block_table[:, 0].contiguous()
-    at = torch.searchsorted(keys, first).clamp(max=len(firsts) - 1)
     live = torch.arange(rows, device=device) < num_reqs
-    match = (keys[at] == first) & live
-    start = torch.where(match, spec[at, 0], width)
-    count = torch.where(match, spec[at, 1], 0)
+    lasts = ((seq_lens.to(torch.int64) + block_size - 1) // block_size - 1).clamp(min=0)
+    start = torch.full((rows,), width, dtype=torch.int64, device=device)
+    count = torch.zeros(rows, dtype=torch.int64, device=device)
+    for column in sorted({hole.key_column for hole in holes.values()}):
+        if column >= width:
+            continue
+        firsts = sorted(k for k, hole in holes.items() if hole.key_column == column)
+        keys = torch.tensor(firsts, dtype=block_table.dtype).to(device, non_blocking=True)
+        spec = torch.tensor(
+            [[holes[f].start_block, holes[f].num_blocks] for f in firsts], dtype=torch.int64
+        ).to(device, non_blocking=True)
+        first = block_table[:, column].contiguous()
+        at = torch.searchsorted(keys, first).clamp(max=len(firsts) - 1)
+        match = (keys[at] == first) & live
+        if column > 0:
+            match &= lasts == column
+        start = torch.where(match, spec[at, 0], start)
+        count = torch.where(match, spec[at, 1], count)
     cols = torch.arange(width, device=device).expand(rows, width)
     src = torch.where(cols >= start[:, None], cols + count[:, None], cols)
     moved = torch.gather(block_table, 1, src.clamp(max=width - 1))

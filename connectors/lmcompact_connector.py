@@ -247,6 +247,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         (:class:`connectors.memory.blocks.PrefixCacheGuard`)."""
         if self.cache_guard is None and self.facts.prefix_caching:
             self.cache_guard = PrefixCacheGuard(kv_cache_manager)
+            self._scheduler().frontier_of = self.cache_guard.frontier
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
         return LMCompactMetadata(self._scheduler().build_metadata(scheduler_output))

@@ -34,13 +34,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig
-from connectors.holes import Hole
+from connectors.holes import Hole, keyed_by_last_block
 from connectors.metadata import CaptureSpec, LoadSpec, SaveSpec, StepMetadata, WorkerReport
 from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 
@@ -98,6 +98,10 @@ class SchedulerHalf:
         self._reported: set[ChunkKey] = set()  # slice keys stored, as the workers said
         self._saving: dict[ChunkKey, float] = {}  # slice save planned -> time planned
         self._version = 0  # bumps whenever what is known to exist changes
+        # with vLLM's prefix caching: request -> its first block kept out of the cache
+        # (None: none); holes of requests whose block 0 may be shared are keyed by the
+        # row's last block
+        self.frontier_of: Callable[[str], int | None] | None = None
         self.stats = {
             "lookups": 0,
             "store_queries": 0,
@@ -251,7 +255,13 @@ class SchedulerHalf:
             else:
                 tracked.block_ids.extend(sched.new_block_ids)
             if tracked.hole is not None:
-                meta.holes[tracked.hole.first_block] = tracked.hole
+                hole = tracked.hole
+                if self.frontier_of is not None and self.frontier_of(sched.req_id) != 0:
+                    seq_len = sched.num_computed + sched.num_scheduled
+                    hole = keyed_by_last_block(
+                        hole, tracked.block_ids, seq_len, self.facts.block_size
+                    )
+                meta.holes[hole.first_block] = hole
             self._plan_save(sched, tracked, meta)
         for req_id in shim.preempted_req_ids(scheduler_output):
             if req_id in self._requests:

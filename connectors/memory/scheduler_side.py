@@ -56,7 +56,7 @@ from typing import Any
 
 from connectors import vllm_shim as shim
 from connectors.compaction import SCORE_NEEDS
-from connectors.holes import Hole
+from connectors.holes import Hole, keyed_by_last_block
 from connectors.memory.blocks import BlockLedger, PrefixCacheGuard
 from connectors.memory.heavy_hitters import MergeJob
 from connectors.memory.planner import HolePlanner
@@ -100,7 +100,6 @@ class MemoryStats:
     preemptions: int = 0
     admissions_deferred: int = 0
     protected_blocks: int = 0  # prompt blocks packs left untouched (prefix caching)
-    merges_skipped_shared: int = 0  # H2O merges not run: the kept region is shared
     peak_held: dict[str, int] = field(default_factory=dict)
 
 
@@ -270,11 +269,7 @@ class MemoryScheduler:
         if grown and hole is not None and self.planner.decode_recent_blocks is not None:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
-            if hole.start > self.planner.sink_blocks and not self._merge_allowed(
-                req_id, row, hole.start
-            ):
-                self.stats.merges_skipped_shared += 1  # the block leaves as in "recent"
-            elif hole.start > self.planner.sink_blocks:
+            if hole.start > self.planner.sink_blocks:
                 ids = [block.block_id for block in row]  # the merged blocks, before release
                 self.merges.append(
                     MergeJob(
@@ -285,17 +280,6 @@ class MemoryScheduler:
                     )
                 )
         self._release(req_id)
-
-    def _merge_allowed(self, req_id: str, row: list[Any], stop: int) -> bool:
-        """An H2O merge rewrites the kept region's non-sink blocks ``[sinks, stop)``: only
-        when the request owns them alone; their hashes go first (prefix caching)."""
-        if self.guard is None:
-            return True
-        sinks = self.planner.sink_blocks
-        if not all(block.ref_cnt == 1 for block in row[sinks:stop]):
-            return False
-        self.guard.freeze(req_id, sinks)
-        return True
 
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
@@ -359,7 +343,9 @@ class MemoryScheduler:
         self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
         self.packed -= shim.finished_req_ids(scheduler_output)
         load_starts = {load.req_id: load.start for load in meta.loads}
+        seq_lens: dict[str, int] = {}
         for sched in shim.scheduled_requests(scheduler_output):
+            seq_lens[sched.req_id] = sched.num_computed + sched.num_scheduled
             request = self.live.get(sched.req_id)
             blocks = ledger.blocks(sched.req_id)
             if request is None or not blocks:
@@ -369,7 +355,7 @@ class MemoryScheduler:
                 self._hit_blocks[sched.req_id] = hit // self.block_size
             first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = meta.holes.get(first)
+            foreign = _hole_of_row(meta, blocks)
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
                     sched.req_id,
@@ -416,9 +402,25 @@ class MemoryScheduler:
             self._release(req_id)
             hole = self.planner.visible(req_id, step)
             if hole is not None:
-                meta.holes[hole.first_block] = Hole(
+                emitted: Hole | None = Hole(
                     hole.first_block, hole.start, hole.length, hole.window_lead, req_id
                 )
+                if self.guard is not None and self.guard.frontier(req_id) != 0:
+                    # block 0 may be shared with another live request: key by the last
+                    # block, for requests in this step's batch (the others have no row)
+                    if req_id not in seq_lens:
+                        emitted = None
+                    else:
+                        emitted = keyed_by_last_block(
+                            Hole(
+                                hole.first_block, hole.start, hole.length, hole.window_lead, req_id
+                            ),
+                            ledger.block_ids(req_id),
+                            seq_lens[req_id],
+                            self.block_size,
+                        )
+                if emitted is not None:
+                    meta.holes[emitted.first_block] = emitted
             held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
             if held > self.stats.peak_held.get(req_id, 0):
                 self.stats.peak_held[req_id] = held
@@ -449,6 +451,16 @@ class MemoryScheduler:
         positions = list(range(window_lo, window_hi))
         slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
         meta.captures.append(CaptureSpec(req_id, slots, positions))
+
+
+def _hole_of_row(meta: StepMetadata, row: list[Any]) -> Hole | None:
+    """The hole another component put into ``meta`` for the request whose blocks are
+    ``row`` (matched by its key column), or None."""
+    for key, hole in meta.holes.items():
+        column = hole.key_column
+        if column < len(row) and not row[column].is_null and row[column].block_id == key:
+            return hole
+    return None
 
 
 def needs_scores(policy: Any) -> bool:

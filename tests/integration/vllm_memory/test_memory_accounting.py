@@ -8,6 +8,12 @@ block both free and held, reference counts equal to holders), and at the end eve
 free again. The same workload then runs
 with every free block overwritten by garbage after each step: identical tokens show that
 attention never reads a block that went back to the pool.
+
+With vLLM's prefix caching on, a third of the prompts start with another prompt's first 128
+tokens (vLLM hits, blocks shared while packs run); the checked connector
+(:mod:`tests.integration.vllm.prefix_checked`) asserts at every step that no block a pack
+rewrote, or computed after a hole, is hashed; garbage goes only into free blocks without a
+hash (a hashed free block is a cache entry a later request may hit, and must stay exact).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from connectors.memory.blocks import audit_pool
 from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 from tests.integration.vllm_memory.harness import (
+    MEMORY_CONNECTOR,
     kv_layers,
     kv_manager,
     memory_engine,
@@ -28,10 +35,13 @@ from tests.integration.vllm_memory.harness import (
 )
 
 pytestmark = pytest.mark.integration
+CHECKED = ("PrefixCheckedMemoryConnector", "tests.integration.vllm.prefix_checked")
 
 NUM_BLOCKS = 30
 LENGTHS = [400, 260, 520, 300, 610, 350, 470, 280, 560, 330, 420, 500]
 PROMPTS = {f"q{i}": tiny_prompt_ids(n, seed=100 + i) for i, n in enumerate(LENGTHS)}
+SHARED = 64  # with prefix caching, these prompts start with the previous prompt's tokens
+SHARING = {f"q{i}": PROMPTS[f"q{i - 1}"][:SHARED] + PROMPTS[f"q{i}"][SHARED:] for i in (4, 10)}
 MAX_TOKENS = {rid: 120 + 15 * i for i, rid in enumerate(PROMPTS)}
 ABORTS = {2: ["q11"], 6: ["q3"], 14: ["q7"]}  # engine step -> requests aborted after it
 
@@ -42,7 +52,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Watch:
-    """Per-step checks, aborts and (optionally) garbage in free blocks."""
+    """Per-step checks, aborts and (optionally) garbage in free blocks that hold no
+    prefix-cache entry."""
 
     def __init__(self, llm: Any, poison: bool) -> None:
         self.llm = llm
@@ -51,6 +62,7 @@ class Watch:
         self.preemptions = 0
         self.aborted: list[str] = []
         self.min_free = NUM_BLOCKS
+        self.cached_tokens: dict[str, int] = {}  # request -> tokens vLLM's cache served
         sched = scheduler(llm)
         original = sched._preempt_request
 
@@ -62,6 +74,9 @@ class Watch:
         self.gen = torch.Generator().manual_seed(7)
 
     def __call__(self, step: int, outputs: list[Any]) -> None:
+        for out in outputs:
+            if out.num_cached_tokens:
+                self.cached_tokens[out.request_id] = out.num_cached_tokens
         manager = kv_manager(self.llm)
         audit = audit_pool(manager)
         if not audit.ok:
@@ -71,7 +86,11 @@ class Watch:
             self.llm.llm_engine.abort_request([req_id])
             self.aborted.append(req_id)
         if self.poison:
-            free = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+            free = [
+                b.block_id
+                for b in manager.block_pool.free_block_queue.get_all_free_blocks()
+                if b.block_hash is None
+            ]
             index = torch.tensor(free, dtype=torch.int64)
             for kv in kv_layers(self.llm):
                 noise = torch.randn(kv[index].shape, generator=self.gen) * 50.0
@@ -105,16 +124,27 @@ class Watch:
     ],
     ids=["snapkv-pack", "streaming-blocks-decode", "adakv-per-head"],
 )
-def test_pool_balanced_after_compaction_aborts_and_preemption(tiny_model: str, extra: dict) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["nocache", "prefix-cache"])
+def test_pool_balanced_after_compaction_aborts_and_preemption(
+    tiny_model: str, extra: dict, prefix_caching: bool
+) -> None:
     extra = {"save": False, "load": False, **extra}
+    prompts = {**PROMPTS, **SHARING} if prefix_caching else PROMPTS
     with memory_engine(
-        tiny_model, extra, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, max_model_len=928
+        tiny_model,
+        extra,
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=256,
+        max_model_len=928,
+        prefix_caching=prefix_caching,
+        connector=CHECKED if prefix_caching else MEMORY_CONNECTOR,
     ) as llm:
         manager = kv_manager(llm)
         start_free = manager.block_pool.get_num_free_blocks()
         watch = Watch(llm, poison=False)
-        tokens = run(llm, PROMPTS, MAX_TOKENS, watch)
-        stats = scheduler(llm).connector.memory_scheduler.stats
+        tokens = run(llm, prompts, MAX_TOKENS, watch)
+        connector = scheduler(llm).connector
+        stats = connector.memory_scheduler.stats
 
         assert watch.problems == []
         assert manager.block_pool.get_num_free_blocks() == start_free == NUM_BLOCKS - 1
@@ -122,15 +152,19 @@ def test_pool_balanced_after_compaction_aborts_and_preemption(tiny_model: str, e
         assert final.ok and final.referenced == 0
         assert watch.preemptions > 0, "the pool was meant to force preemption"
         assert sorted(watch.aborted) == ["q11", "q3", "q7"]
-        assert set(tokens) == set(PROMPTS) - set(watch.aborted)
+        assert set(tokens) == set(prompts) - set(watch.aborted)
         assert all(len(tokens[r]) == MAX_TOKENS[r] for r in tokens)
         assert stats.blocks_released > 0
-        assert scheduler(llm).connector.memory_scheduler.planner.holes == {}
+        assert connector.memory_scheduler.planner.holes == {}
+        if prefix_caching:
+            assert connector.steps_checked > 0 and connector.compacted_seen
+            assert connector.cache_guard.frontiers == {}
+            assert watch.cached_tokens, "a prompt sharing another's first blocks hits vLLM"
 
         poisoned = Watch(llm, poison=True)
         again = run(
             llm,
-            {f"{r}b": ids for r, ids in PROMPTS.items()},
+            {f"{r}b": ids for r, ids in prompts.items()},
             {f"{r}b": n for r, n in MAX_TOKENS.items()},
             _renamed(poisoned),
         )

@@ -1,0 +1,113 @@
+"""Connectors that check, at every scheduler step, that vLLM's prefix cache never holds
+compacted KV (tests only).
+
+Loaded by module path (``PrefixCheckedConnector``, ``PrefixCheckedMemoryConnector``). After
+the real connector planned a step (``build_connector_meta``), with what the step's own
+metadata says and vLLM's block rows, independently of the connector's
+:class:`~connectors.memory.blocks.PrefixCacheGuard` bookkeeping:
+
+* every block a pack of this step will rewrite is held by its request alone and carries no
+  prefix-cache hash;
+* a request that was packed, loaded compacted from the store, or scheduled while attention
+  skips a hole is *compacted* from a logical block on (the pack's first rewritten block,
+  the load's start, the first token computed past a hole); at every step none of its blocks
+  from there on carries a hash (a later request would read them as the full prefix);
+* the guard reports no violation of its own.
+
+A failed check raises inside the engine step, which fails the test. vLLM freeing a request
+(finish, abort, preemption) ends its record: recomputed, it is exact again. Real
+counterpart: the connectors themselves, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from connectors import vllm_shim as shim
+from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
+from connectors.memory.connector import LMCompactMemoryConnector, MemoryMetadata
+
+
+class PrefixChecks:
+    """The per-step checks; mixed into a connector class."""
+
+    cache_guard: Any
+    facts: Any
+    config: Any
+
+    def _init_checks(self) -> None:
+        self.steps_checked = 0
+        self.packs_checked = 0
+        self.compacted_seen: set[str] = set()
+        self._compacted_from: dict[str, int] = {}
+
+    def _mark(self, req_id: str, block: int) -> None:
+        self._compacted_from[req_id] = min(block, self._compacted_from.get(req_id, block))
+        self.compacted_seen.add(req_id)
+
+    def check_step(self, meta: LMCompactMetadata, scheduler_output: Any, kept: int) -> None:
+        guard = self.cache_guard
+        if guard is None:
+            raise AssertionError("prefix caching is on but no PrefixCacheGuard is bound")
+        rows = guard.group.req_to_blocks
+        bs = self.facts.block_size
+        gone = shim.finished_req_ids(scheduler_output) | shim.preempted_req_ids(scheduler_output)
+        for req_id in gone:
+            self._compacted_from.pop(req_id, None)
+        problems: list[str] = []
+        for job in getattr(meta, "packs", []):
+            first, stop = job.start // bs, (job.start + job.reserved) // bs
+            for index, block in enumerate(rows[job.req_id][first:stop], first):
+                if block.ref_cnt != 1 or block.block_hash is not None:
+                    problems.append(
+                        f"pack of {job.req_id} rewrites block {block.block_id} (index {index}) "
+                        f"with ref_cnt {block.ref_cnt}, hash {block.block_hash!r}"
+                    )
+            self._mark(job.req_id, first)
+            self.packs_checked += 1
+        if kept < self.config.chunk_size:
+            for load in meta.step.loads:
+                self._mark(load.req_id, load.start // bs)
+        for sched in shim.scheduled_requests(scheduler_output):
+            row = rows.get(sched.req_id, [])
+            for key, hole in meta.step.holes.items():
+                column = hole.key_column
+                if column < len(row) and not row[column].is_null and row[column].block_id == key:
+                    self._mark(sched.req_id, sched.num_computed // bs)
+        for req_id, first in self._compacted_from.items():
+            row = rows.get(req_id, [])
+            for index in range(first, len(row)):
+                block = row[index]
+                if not block.is_null and block.block_hash is not None:
+                    problems.append(
+                        f"{req_id}: block {block.block_id} (index {index}, compacted from "
+                        f"{first}) is hashed {block.block_hash!r}"
+                    )
+        violations = guard.violations()
+        if violations:
+            problems.append(f"guard violations {violations}")
+        if problems:
+            raise AssertionError("compacted KV in vLLM's prefix cache: " + "; ".join(problems))
+        self.steps_checked += 1
+
+
+class PrefixCheckedConnector(PrefixChecks, LMCompactConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_checks()
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self.check_step(meta, scheduler_output, self._scheduler().kept)
+        return meta
+
+
+class PrefixCheckedMemoryConnector(PrefixChecks, LMCompactMemoryConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_checks()
+
+    def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self.check_step(meta, scheduler_output, self._scheduler().kept)
+        return meta
