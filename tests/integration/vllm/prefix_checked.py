@@ -14,6 +14,9 @@ metadata says and vLLM's block rows, independently of the connector's
   from there on carries a hash (a later request would read them as the full prefix);
 * the guard reports no violation of its own.
 
+It also records what vLLM's own prefix cache served each request (the block-aligned local
+hit vLLM hands ``get_num_new_matched_tokens``).
+
 A failed check raises inside the engine step, which fails the test. vLLM freeing a request
 (finish, abort, preemption) ends its record: recomputed, it is exact again. Real
 counterpart: the connectors themselves, unchanged.
@@ -36,6 +39,7 @@ class PrefixChecks:
     config: Any
 
     def _init_checks(self) -> None:
+        self.local_hits: dict[str, int] = {}  # request -> tokens vLLM's own cache served
         self.steps_checked = 0
         self.packs_checked = 0
         self.compacted_seen: set[str] = set()
@@ -44,6 +48,9 @@ class PrefixChecks:
     def _mark(self, req_id: str, block: int) -> None:
         self._compacted_from[req_id] = min(block, self._compacted_from.get(req_id, block))
         self.compacted_seen.add(req_id)
+
+    def record_local_hit(self, request: Any, num_computed_tokens: int) -> None:
+        self.local_hits[request.request_id] = num_computed_tokens
 
     def check_step(self, meta: LMCompactMetadata, scheduler_output: Any, kept: int) -> None:
         guard = self.cache_guard
@@ -87,7 +94,10 @@ class PrefixChecks:
         if violations:
             problems.append(f"guard violations {violations}")
         if problems:
-            raise AssertionError("compacted KV in vLLM's prefix cache: " + "; ".join(problems))
+            shown = "; ".join(problems[:4]) + (
+                f"; ... ({len(problems)} in all)" * (len(problems) > 4)
+            )
+            raise AssertionError(f"compacted KV in vLLM's prefix cache: {shown}")
         self.steps_checked += 1
 
 
@@ -95,6 +105,12 @@ class PrefixCheckedConnector(PrefixChecks, LMCompactConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_checks()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.record_local_hit(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -106,6 +122,12 @@ class PrefixCheckedMemoryConnector(PrefixChecks, LMCompactMemoryConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_checks()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.record_local_hit(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
         meta = super().build_connector_meta(scheduler_output)
