@@ -98,8 +98,9 @@ def llm_kwargs(
         max_model_len: Longest request.
         max_num_batched_tokens: Tokens per step; None: ``max_model_len`` (a prompt is
             prefilled in one step, so saves and loads see whole prefixes).
-        prefix_caching: vLLM's own prefix cache (off by default: a compacting policy
-            requires it off, and "store hit" vs "recompute" stay comparable).
+        prefix_caching: vLLM's own prefix cache (off by default, so "store hit" vs
+            "recompute" stay comparable: with it on, vLLM's own cache serves repeats
+            before the store is asked).
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``); None lets vLLM
             size it. ``max_model_len`` is clipped to what the pool holds (block 0 is null).
         enforce_eager: No CUDA graphs (on by default; the GPU graph tests turn it off).

@@ -276,7 +276,10 @@ class SchedulerHalf:
         """A request got (new) blocks: emit its load, if confirmed, and its hole."""
         c, bs = self.config.chunk_size, self.facts.block_size
         tracked.hole = None
-        tracked.loaded_end = sched.num_computed - sched.num_computed % c
+        # chunks vLLM's own prefix cache served hold the full KV in the request's blocks:
+        # they are saved too (when the store lacks them), so a repeat finds them there
+        # once vLLM's cache dropped them
+        tracked.loaded_end = 0
         if not (tracked.confirmed and tracked.pending):
             tracked.pending = 0
             return

@@ -120,8 +120,8 @@ def test_memory_connector_keeps_shared_hits_and_serves_repeats_from_the_store(
         assert local_hit(connector, "short1") >= system_tokens
         assert stats.packs == 0  # below min_prompt_tokens: not compacted
         first, _ = generate(llm, "long_shared_a", prompts["long_shared"])
-        assert local_hit(connector, "long_shared_a") >= system_tokens
-        assert stats.packs == 1 and stats.protected_blocks >= system_tokens // 32
+        assert local_hit(connector, "long_shared_a") == system_tokens
+        assert stats.packs == 1 and stats.protected_blocks == system_tokens // 32
         answers["short2"], _ = generate(llm, "short2", prompts["short2"])
         assert local_hit(connector, "short2") >= system_tokens  # the pack left them hashed
         hits_before = half.stats["hit_chunks"]
@@ -135,6 +135,11 @@ def test_memory_connector_keeps_shared_hits_and_serves_repeats_from_the_store(
         assert len(again) == len(first) == MAX_TOKENS
         for name in ("short0", "short1", "short2"):
             assert answers[name] == reference[name], name
+        assert llm.reset_prefix_cache()  # vLLM's cache lost the system prompt too
+        hits_before = half.stats["hit_chunks"]
+        generate(llm, "long_shared_c", prompts["long_shared"])
+        assert local_hit(connector, "long_shared_c") == 0
+        assert half.stats["hit_chunks"] - hits_before == stored + 1  # all from the store
 
         # (b) the same long prompt twice: packed and stored, then a compacted store hit
         generate(llm, "long_a", prompts["long"])  # decodes over its in-place pack
