@@ -36,6 +36,9 @@ def main() -> None:
         dtype="float32",
         block_size=32,
         max_model_len=4096,
+        # off so that the repeat below is a store hit; with it on (vLLM's default) vLLM's
+        # own cache serves the repeat while it holds the prompt (README, "With vLLM's
+        # prefix caching")
         enable_prefix_caching=False,
         kv_transfer_config=kv,
     )
