@@ -120,13 +120,6 @@ class LMCompactMemoryConnector(LMCompactConnector):
             per_head_slack=self.memory.per_head_slack(),
             decode_recent_blocks=self.memory.decode_recent_blocks(bs),
         )
-        if self.planner.decode_recent_blocks is not None and self.facts.prefix_caching:
-            raise ValueError(
-                "memory.decode_policy 'h2o' merges heavy hitters into a request's kept blocks "
-                "and scores rows by their first block, which vLLM's prefix cache may share "
-                "between requests: start vLLM with enable_prefix_caching=False, or use "
-                "decode_policy 'recent'"
-            )
         self._check_pack_geometry(int(vllm_config.model_config.max_model_len))
         self._refuse_under_tensor_parallel()
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head

@@ -259,6 +259,8 @@ class MemoryScheduler:
         )
         before = self.planner.holes.get(req_id)
         old_stop = None if before is None else before.stop
+        if processed >= int(request.num_prompt_tokens):
+            self._claim_for_h2o(req_id, row)
         grown = self.planner.grow_for_decode(
             req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
         )
@@ -269,7 +271,7 @@ class MemoryScheduler:
         if grown and hole is not None and self.planner.decode_recent_blocks is not None:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
-            if hole.start > self.planner.sink_blocks:
+            if hole.start > self.planner.sink_blocks and self._h2o_owned(req_id):
                 ids = [block.block_id for block in row]  # the merged blocks, before release
                 self.merges.append(
                     MergeJob(
@@ -280,6 +282,25 @@ class MemoryScheduler:
                     )
                 )
         self._release(req_id)
+
+    def _h2o_owned(self, req_id: str) -> bool:
+        """H2O scores and merges for this request: always without prefix caching; with it,
+        only once the request owns all its blocks, unhashed (:meth:`_claim_for_h2o`): merges
+        rewrite its kept region, and its scored rows are found by block 0."""
+        if self.planner.decode_recent_blocks is None:
+            return False
+        return self.guard is None or self.guard.frontier(req_id) == 0
+
+    def _claim_for_h2o(self, req_id: str, row: list[Any]) -> None:
+        """Prefix caching, H2O decode: when the request decodes and its first block is its
+        own (no other request shares any of its blocks: sharing is by prefix), take every
+        block out of the cache, so none can be shared later. A request that shares its
+        first block decodes as with ``"recent"`` (no scores, no merges) until it owns it."""
+        if self.guard is None or self.planner.decode_recent_blocks is None:
+            return
+        if self.guard.frontier(req_id) == 0 or not row or row[0].ref_cnt != 1:
+            return
+        self.guard.freeze(req_id, 0)
 
     def forget(self, req_id: str) -> None:
         self.planner.forget(req_id)
@@ -367,7 +388,7 @@ class MemoryScheduler:
                 )
                 self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
-            if self.planner.decode_recent_blocks is not None and lo >= prompt_len:
+            if lo >= prompt_len and self._h2o_owned(sched.req_id):
                 self.scored[first] = sched.req_id  # H2O: accumulate its decode attention
             if self.capture:
                 self._plan_capture(sched.req_id, blocks, prompt_len, lo, hi, meta)

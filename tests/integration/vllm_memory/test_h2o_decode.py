@@ -7,6 +7,11 @@ snapshots the worker's accumulated scores and the K/V of the kept region and of 
 block after the hole. When the next step merged that block, the kept region must hold, per
 (layer, kv head), exactly the top-scored tokens of (kept region minus sinks) + that block
 by the snapshot's scores, recomputed here independently of the merge code.
+
+With vLLM's prefix caching on (checked every step: no rewritten block is hashed), the same
+holds for a request that owns its blocks; two requests that share their first blocks (a
+prefix hit) decode without scores or merges (their kept region is shared) and stay within
+the budget all the same.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from connectors.memory.blocks import audit_pool
 from tests.integration.vllm_memory.harness import (
     BLOCK_SIZE,
+    MEMORY_CONNECTOR,
     engine_request_ids,
     held_blocks,
     kv_manager,
@@ -31,6 +37,7 @@ from tests.integration.vllm_memory.test_long_generation import text_prompt
 
 pytestmark = pytest.mark.integration
 
+CHECKED = ("PrefixCheckedMemoryConnector", "tests.integration.vllm.prefix_checked")
 NEW_TOKENS = 240
 BUDGET_TOKENS = 6 * BLOCK_SIZE
 RECENT_TOKENS = 2 * BLOCK_SIZE
@@ -53,12 +60,23 @@ def worker_connector() -> Any:
     return get_kv_transfer_group()  # in-process: the worker-side connector
 
 
-def test_h2o_keeps_budget_and_the_top_scored_tokens(smollm2_path: Path) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["nocache", "prefix-cache"])
+def test_h2o_keeps_budget_and_the_top_scored_tokens(
+    smollm2_path: Path, prefix_caching: bool
+) -> None:
     prompt = text_prompt(smollm2_path, 120)
     samples: list[int] = []
     checked: list[int] = []  # per checked merge: tokens the kept region took from the block
     snapshot: dict[str, Any] = {}
-    with memory_engine(str(smollm2_path), extra("h2o"), num_blocks=64, max_model_len=1024) as llm:
+    connector = CHECKED if prefix_caching else MEMORY_CONNECTOR
+    with memory_engine(
+        str(smollm2_path),
+        extra("h2o"),
+        num_blocks=64,
+        max_model_len=1024,
+        prefix_caching=prefix_caching,
+        connector=connector,
+    ) as llm:
         start_free = kv_manager(llm).block_pool.get_num_free_blocks()
         memory = scheduler(llm).connector.memory_scheduler
         worker = worker_connector()
@@ -114,6 +132,20 @@ def test_h2o_keeps_budget_and_the_top_scored_tokens(smollm2_path: Path) -> None:
         run(llm, {"next": prompt[:40]}, 2)
         assert long_ids and not set(long_ids) & set(worker.heavy.scores)
         merges = worker.heavy.stats["merges"]
+        if prefix_caching:
+            twins = {"a": prompt, "b": prompt[:64] + prompt[64:][::-1]}  # share 2 blocks
+            held: list[int] = []
+
+            def watch(step: int, outputs: list[Any]) -> None:
+                held.extend(held_blocks(llm, rid) for rid in engine_request_ids(llm).values())
+
+            twin_tokens = run(llm, twins, NEW_TOKENS, watch)
+            assert worker.heavy.stats["merges"] == merges  # shared kept region: no merge
+            assert all(len(t) == NEW_TOKENS for t in twin_tokens.values())
+            assert max(held) <= BUDGET_TOKENS // BLOCK_SIZE + 1
+            checker = scheduler(llm).connector
+            assert checker.steps_checked > 0
+            assert max(n for r, n in checker.local_hits.items() if r.startswith("b-")) >= 64
 
     limit = BUDGET_TOKENS // BLOCK_SIZE + 1
     assert len(tokens) == NEW_TOKENS
