@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "request), load (stored whole, packed at load), inplace (no store)",
     )
     parser.add_argument(
+        "--no-reconstruct",
+        dest="reconstruct",
+        action="store_false",
+        help="--engine vllm, save mode: store contexts for kvzip with the context alone "
+        "(single-pass sampled queries) instead of KVzip's reconstruction request",
+    )
+    parser.add_argument(
         "--model",
         default="smollm2",
         help="smollm2, gemma3-270m, an HF folder or a .gguf (--engine vllm: comma-separated)",
@@ -159,6 +166,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             modes=[m.strip() for m in args.compact_on.split(",") if m.strip()],
             new_tokens=args.new_tokens,
             seed=args.seed,
+            reconstruct=args.reconstruct,
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)

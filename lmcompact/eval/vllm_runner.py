@@ -7,7 +7,12 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     A first request holding the context alone computes it and stores it compacted (the
     policy's observation window is the end of the context: no question exists yet). Every
     question request (context + question) then loads the compacted prefix from the store
-    and computes only its question.
+    and computes only its question. For a policy that reads context scores (``kvzip``) the
+    first request is KVzip's reconstruction pass instead (``context + repeat prompt +
+    context``, :func:`connectors.reconstruct.store_context`; rows say
+    ``store_request: "reconstruct"``): only the first copy's chunks are stored, compacted
+    with the repeat's attention (``reconstruct=False`` stores the context alone, scored by
+    its own sampled queries).
 ``load``
     The first request stores the context whole (``"compact_on": "load"``); every question
     request loads it whole and packs it in place at its prefill end, with the question as
@@ -64,6 +69,8 @@ class VllmEvalConfig:
         chunk_size: store chunk, tokens.
         window: observation-window queries.
         seed: picks texts, passkeys and colors.
+        reconstruct: in ``save`` mode, store contexts for policies that read context
+            scores (``kvzip``) with KVzip's reconstruction request.
     """
 
     models: list[str] = field(default_factory=lambda: ["smollm2"])
@@ -78,6 +85,7 @@ class VllmEvalConfig:
     chunk_size: int = 256
     window: int = 32
     seed: int = 0
+    reconstruct: bool = True
 
     def __post_init__(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -157,6 +165,15 @@ def connector_extra(
     return extra
 
 
+def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
+    """Whether the cell stores its contexts with KVzip's reconstruction request."""
+    if mode != "save" or not config.reconstruct or policy == BASELINE:
+        return False
+    from lmcompact.policies import Need, make_policy
+
+    return Need.CONTEXT_SCORES in make_policy(policy, budget=0.5).needs
+
+
 def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
     """``(mode, policy, budget)`` of every compacted cell, baseline first."""
     yield BASELINE, BASELINE, 1.0
@@ -181,25 +198,37 @@ def run_cell(
     mode: str,
     config: VllmEvalConfig,
     progress: Any = None,
+    reconstruct: bool = False,
 ) -> list[dict[str, Any]]:
     """Every case through one engine; one row per question.
 
     Row fields: ``task, context, sample, question, accuracy, answer, passkey, seconds``
     and the connector counters this question's request moved (``hit_chunks``,
     ``expected_hit_chunks``, ``packs``, ``blocks_released``, ``holes_adopted``,
-    ``pack_s``); ``warm_s`` is the first request's time (store modes).
+    ``pack_s``); ``warm_s`` is the first request's time (store modes), ``store_request``
+    what it was (``context`` or ``reconstruct``) and ``reconstruct_s`` the worker's time
+    scoring its repeat.
     """
     from connectors import offline
+    from connectors.reconstruct import REPEAT_PROMPT, store_context
+
+    repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
     rows: list[dict[str, Any]] = []
     stored_modes = ("save", "load")
     for case in cases:
         warm_s = None
+        recon_s = None
         if mode in stored_modes:
             before = offline.request_counters(llm)
-            warm = offline.generate(llm, case.stored.context_ids, max_tokens=1)
+            began = time.perf_counter()
+            if reconstruct:
+                store_context(llm, case.stored.context_ids, repeat_ids)
+            else:
+                offline.generate(llm, case.stored.context_ids, max_tokens=1)
+            warm_s = time.perf_counter() - began
             after = offline.request_counters(llm)
-            warm_s = warm.seconds
+            recon_s = _delta(after, before, "reconstruct_s")
             if _delta(after, before, "hit_chunks"):
                 logger.error(
                     "the first request of %s sample %d hit the store: the namespace is not fresh",
@@ -223,6 +252,8 @@ def run_cell(
                 "accuracy": tasks.score_needle(text, needle.passkey),
                 "seconds": out.seconds,
                 "warm_s": warm_s,
+                "store_request": "reconstruct" if reconstruct else "context",
+                "reconstruct_s": recon_s,
                 "expected_hit_chunks": expected,
             }
             for key in ("hit_chunks", "packs", "blocks_released", "holes_adopted", "pack_s"):
@@ -282,11 +313,12 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     "budget": budget,
                     "compact_on": mode,
                 }
+                recon = uses_reconstruction(mode, policy, config)
                 try:
                     llm = offline.build_llm(
                         folder,
                         extra,
-                        max_model_len=context + 64 + config.new_tokens,
+                        max_model_len=(2 * context if recon else context) + 64 + config.new_tokens,
                         connector=CONNECTOR,
                     )
                 except Exception as error:  # a refused config is a result, not a crash
@@ -298,7 +330,7 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                         bar.update(per_cell)
                     continue
                 try:
-                    cell_rows = run_cell(llm, tokenizer, cases, mode, config, bar)
+                    cell_rows = run_cell(llm, tokenizer, cases, mode, config, bar, recon)
                 finally:
                     offline.shutdown(llm)
                     del llm

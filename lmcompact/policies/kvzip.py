@@ -9,6 +9,17 @@ import torch
 from lmcompact.policies._select import pool_scores
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+"""What a reconstruction pass puts between the two copies of the context (KVzip's
+instruction, plain text: the base models here have no chat template)."""
+
+
+def reconstruction_ids(context_ids: list[int], repeat_ids: list[int]) -> list[int]:
+    """Token ids of KVzip's reconstruction pass: ``context + repeat + context``."""
+    if not context_ids:
+        raise ValueError("the context to reconstruct is empty")
+    return list(context_ids) + list(repeat_ids) + list(context_ids)
+
 
 def sample_query_positions(length: int, max_queries: int, window: int) -> torch.Tensor:
     """``(S,)`` sorted prompt positions whose queries score the keys.
