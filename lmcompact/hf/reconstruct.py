@@ -113,7 +113,7 @@ def reconstruct(
         model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     finally:
         model.set_attn_implementation(previous)
-    cache.crop(t)
+    cache.crop(t - len(ids))  # drop the repeat and the second copy
     stacked = torch.stack([scores[i] for i in sorted(scores)])
     logger.debug("reconstruction pass over %d tokens scored %d layers", len(ids), len(scores))
     return Reconstruction(scores=stacked, cache=cache, context_len=t)
