@@ -71,6 +71,8 @@ class VllmEvalConfig:
         seed: picks texts, passkeys and colors.
         reconstruct: in ``save`` mode, store contexts for policies that read context
             scores (``kvzip``) with KVzip's reconstruction request.
+        policy_params: per policy name, ``policy_params`` of the connector (e.g.
+            ``{"kvzip": {"share": True, "kernel_size": 15}}``).
     """
 
     models: list[str] = field(default_factory=lambda: ["smollm2"])
@@ -86,6 +88,7 @@ class VllmEvalConfig:
     window: int = 32
     seed: int = 0
     reconstruct: bool = True
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -104,6 +107,9 @@ class VllmEvalConfig:
                 raise ValueError(f"context must be >= {2 * self.chunk_size} tokens, got {context}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"depths must be in [0, 1], got {self.depths}")
+        bad = [p for p in self.policy_params if p not in self.policies]
+        if bad:
+            raise ValueError(f"policy_params for {bad}, which are not among the policies")
         if self.samples < 1 or self.new_tokens < 1:
             raise ValueError(
                 f"samples and new_tokens must be >= 1, got {self.samples}, {self.new_tokens}"
@@ -154,6 +160,8 @@ def connector_extra(
         "async_save": False,
         "model_id": namespace,
     }
+    if config.policy_params.get(policy):
+        extra["policy_params"] = dict(config.policy_params[policy])
     if mode == "save":
         extra.update(compact_on="save", memory={"prefill": "off"})
     elif mode == "load":
@@ -171,7 +179,18 @@ def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
         return False
     from lmcompact.policies import Need, make_policy
 
-    return Need.CONTEXT_SCORES in make_policy(policy, budget=0.5).needs
+    params = config.policy_params.get(policy, {})
+    return Need.CONTEXT_SCORES in make_policy(policy, budget=0.5, **params).needs
+
+
+def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
+    """The ``policy`` of a row: the name, ``+reconstruct`` when the store request was
+    KVzip's reconstruction pass, and any ``policy_params`` (``kvzip+reconstruct(share=True)``)."""
+    label = policy + ("+reconstruct" if reconstruct else "")
+    params = config.policy_params.get(policy)
+    if params:
+        label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+    return label
 
 
 def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
@@ -305,15 +324,15 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     if mode == BASELINE
                     else connector_extra(mode, policy, budget, config, namespace)
                 )
+                recon = uses_reconstruction(mode, policy, config)
                 base = {
                     "engine": "vllm",
                     "impl": "lmcompact",
                     "model": model,
-                    "policy": policy,
+                    "policy": policy if mode == BASELINE else policy_label(policy, config, recon),
                     "budget": budget,
                     "compact_on": mode,
                 }
-                recon = uses_reconstruction(mode, policy, config)
                 try:
                     llm = offline.build_llm(
                         folder,

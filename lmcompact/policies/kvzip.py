@@ -21,6 +21,14 @@ def reconstruction_ids(context_ids: list[int], repeat_ids: list[int]) -> list[in
     return list(context_ids) + list(repeat_ids) + list(context_ids)
 
 
+def shared_scores(inputs: CompactionInputs) -> torch.Tensor:
+    """``(1, T)`` mean context score over every layer and head that has one."""
+    maps = [o.context_scores for o in inputs.layers if o.context_scores is not None]
+    if not maps:
+        raise ValueError("shared kvzip scores need context_scores on at least one layer")
+    return torch.stack([m.double() for m in maps]).mean(dim=(0, 1)).unsqueeze(0)
+
+
 def sample_query_positions(length: int, max_queries: int, window: int) -> torch.Tensor:
     """``(S,)`` sorted prompt positions whose queries score the keys.
 
@@ -82,6 +90,11 @@ class KVzip(ScorePolicy):
         repeat: Score the queries as a repeat of the context after it (needs RoPE
             facts from the integration; else causal).
         kernel_size: Max-pool width along the sequence, odd (1: none).
+        share: One token set for every (layer, head): the context scores are averaged
+            over all layers and heads before pooling, so a kept token is kept everywhere
+            (a number keeps all its digits in every head, where per-head choices drop
+            one digit here and another there). With a wide ``kernel_size`` (15) whole
+            facts survive together.
     """
 
     name = "kvzip"
@@ -93,6 +106,7 @@ class KVzip(ScorePolicy):
     max_queries: int = 1024
     repeat: bool = True
     kernel_size: int = 3
+    share: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,6 +130,8 @@ class KVzip(ScorePolicy):
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
         scores = inputs.layers[layer].context_scores
         assert scores is not None  # check_inputs ran
+        if self.share:
+            scores = shared_scores(inputs).expand_as(scores)
         sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
         raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
         pooled = pool_scores(raw, self.kernel_size, "maxpool")
