@@ -58,9 +58,13 @@ class KVzip(ScorePolicy):
     any query head of its GQA group) gives it; keys the model needs to reproduce the
     context are kept, whatever the future question is.
 
-    Here no second pass runs (a vLLM connector cannot run one inside the engine's
-    step). The queries are the prompt's own prefill queries, sampled across the whole
-    prompt (:meth:`context_queries`: all of them up to ``max_queries``, else the last
+    Two sources of context scores. (1) The real second pass: a request marked as a
+    reconstruction pass (``connectors/reconstruct.py``: ``store_context`` sends
+    ``context + REPEAT_PROMPT + context``; :mod:`lmcompact.hf.reconstruct` in
+    transformers) scores the first copy's keys with the repeat's queries
+    (:func:`lmcompact.attention.scores.reconstruction_scores`) and only the first copy
+    is stored. (2) Any other request (single pass, the fallback): the queries are the
+    prompt's own prefill queries, sampled across the whole prompt (:meth:`context_queries`: all of them up to ``max_queries``, else the last
     ``window`` and evenly spaced ones before them), captured where the engine computes
     them.
     With ``repeat`` (default) each sampled query is moved by RoPE to position
@@ -75,11 +79,11 @@ class KVzip(ScorePolicy):
     several tokens, and a digit that scores low next to one that scores high comes
     along), and the first ``n_sink`` positions are always kept.
 
-    Cost: ``S x T`` query-key products per layer and query head on top of the prefill
-    (README: measured on SmolLM2 at 2k / 4k on the CPU). Differences from the paper:
-    the queries are the prefill's (same tokens, hidden states without the "repeat"
-    instruction), not a real reconstruction pass; the chunk and layer budgets are
-    uniform per (layer, head) instead of KVzip's head-adaptive global top-k.
+    Cost: single pass, ``S x T`` query-key products per layer and query head on top of
+    the prefill (README: measured on SmolLM2 at 2k / 4k on the CPU); reconstruction, a
+    second prefill of the context plus ``T x 2T`` products per query head and layer.
+    Differences from the paper: the chunk and layer budgets are uniform per (layer,
+    head) instead of KVzip's head-adaptive global top-k (the store needs one count).
 
     Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
 
