@@ -64,9 +64,9 @@ class KVzip(ScorePolicy):
     transformers) scores the first copy's keys with the repeat's queries
     (:func:`lmcompact.attention.scores.reconstruction_scores`) and only the first copy
     is stored. (2) Any other request (single pass, the fallback): the queries are the
-    prompt's own prefill queries, sampled across the whole prompt (:meth:`context_queries`: all of them up to ``max_queries``, else the last
-    ``window`` and evenly spaced ones before them), captured where the engine computes
-    them.
+    prompt's own prefill queries, sampled across the whole prompt
+    (:meth:`context_queries`: all of them up to ``max_queries``, else the last ``window``
+    and evenly spaced ones before them), captured where the engine computes them.
     With ``repeat`` (default) each sampled query is moved by RoPE to position
     ``T + p`` (:meth:`context_shift`), where its token would sit in a repeat of the
     context, and sees every key, softmax-normalized over all of them: an induction head
