@@ -99,3 +99,25 @@ def test_request_marker() -> None:
         reconstruct_params(0)
     with pytest.raises(ValueError, match="empty"):
         reconstruction_ids([], [1])
+
+
+def test_kvzip_share_keeps_one_token_set_for_every_layer_and_head() -> None:
+    from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+    from lmcompact.policies.kvzip import shared_scores
+
+    # token 10 scores 0.9 in one head of one layer only; token 20 scores 0.5 everywhere:
+    # per head, head (0, 0) keeps 10; shared, every head keeps 20 and none keeps 10
+    scores = [torch.full((2, 32), 0.01) for _ in range(3)]
+    scores[0][0, 10] = 0.9
+    for s in scores:
+        s[:, 20] = 0.5
+    obs = [LayerObservation(context_scores=s) for s in scores]
+    inputs = CompactionInputs(32, 2, obs, positions=torch.arange(32, 64).expand(2, -1))
+    per_head = make_policy("kvzip", budget=1 / 32, kernel_size=1).plan(inputs)
+    assert per_head.kept[0][0].tolist() == [10]
+    shared = make_policy("kvzip", budget=1 / 32, kernel_size=1, share=True).plan(inputs)
+    assert {
+        tuple(shared.kept[layer][head].tolist()) for layer in range(3) for head in range(2)
+    } == {(20,)}
+    with pytest.raises(ValueError, match="at least one layer"):
+        shared_scores(CompactionInputs(32, 2, [LayerObservation()]))
