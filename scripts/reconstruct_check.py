@@ -10,7 +10,8 @@ the store does, and answers each question greedily from the gathered cache:
 - ``recon``: reconstruction scores, ``kvzip`` policy per chunk (per-head choice);
 - ``recon_global``: the same scores, one top-k over the whole context per (layer, head);
 - ``recon_shared``: ``kvzip`` with ``share=True, kernel_size=15`` (one token set for all
-  layers and heads from the mean score, wide max-pool);
+  layers and heads from the mean score, wide max-pool; ``--share-kernels 7,15,31`` adds
+  ``recon_shared_k7`` and ``recon_shared_k31``);
 - ``kvzip1``: the single-pass stand-in (sampled prompt queries moved by RoPE to a repeat);
 - ``streaming_llm``: sinks plus each chunk's most recent tokens;
 - ``full``: the whole cache.
@@ -105,6 +106,12 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument(
+        "--share-kernels",
+        type=lambda text: [int(k) for k in text.split(",")],
+        default=[15],
+        help="max-pool widths of the shared variant (recon_shared is 15, others _kN)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,8 +161,10 @@ def main() -> None:
             methods[f"recon_global@{b}"] = keep_indices(
                 rec.scores, make_policy("kvzip", budget=b), t, int(t * b)
             )
-            shared = make_policy("kvzip", budget=b, share=True, kernel_size=15)
-            methods[f"recon_shared@{b}"] = keep_indices(rec.scores, shared, args.chunk, kept)
+            for k in args.share_kernels:
+                shared = make_policy("kvzip", budget=b, share=True, kernel_size=k)
+                name = "recon_shared" + ("" if k == 15 else f"_k{k}")
+                methods[f"{name}@{b}"] = keep_indices(rec.scores, shared, args.chunk, kept)
             methods[f"kvzip1@{b}"] = keep_indices(
                 s1, make_policy("kvzip", budget=b), args.chunk, kept
             )
