@@ -2,7 +2,8 @@
 
 A reconstruction request's prompt is ``context + repeat prompt + context``
 (:func:`lmcompact.policies.kvzip.reconstruction_ids`, :data:`REPEAT_PROMPT`) and its
-``kv_transfer_params`` carry ``{"lmcompact": {"reconstruct": {"context_len": T}}}``
+``kv_transfer_params`` carry ``{"lmcompact": {"reconstruct": {"context_len": T,
+"copy_start": T + r}}}``
 (:func:`store_context` builds both). The connector then, for that request only:
 
 - loads nothing from the store (the pass computes the whole prompt itself);
@@ -45,47 +46,75 @@ PARAMS_KEY = "lmcompact"
 __all__ = [
     "PARAMS_KEY",
     "REPEAT_PROMPT",
+    "ReconstructRequest",
     "ReconstructScores",
-    "context_len_of",
     "reconstruct_params",
+    "reconstruct_request",
     "store_context",
 ]
 
 
-def reconstruct_params(context_len: int) -> dict[str, Any]:
-    """``kv_transfer_params`` marking a reconstruction request of a ``context_len`` context."""
+@dataclass(frozen=True)
+class ReconstructRequest:
+    """Where a reconstruction request's parts sit in its prompt.
+
+    Attributes:
+        context_len: ``T``: the first copy (stored) is ``prompt[:T]``.
+        copy_start: first position of the repeated copy; its queries score the first copy.
+            The copy is ``prompt[copy_start:]``, a prefix of the context (the whole context
+            unless the prompt had to fit a position limit).
+    """
+
+    context_len: int
+    copy_start: int
+
+
+def reconstruct_params(context_len: int, copy_start: int | None = None) -> dict[str, Any]:
+    """``kv_transfer_params`` marking a reconstruction request of a ``context_len`` context
+    whose repeated copy starts at ``copy_start`` (None: the prompt ends with the whole
+    context)."""
     if context_len <= 0:
         raise ValueError(f"context_len must be > 0, got {context_len}")
-    return {PARAMS_KEY: {"reconstruct": {"context_len": int(context_len)}}}
+    spec: dict[str, int] = {"context_len": int(context_len)}
+    if copy_start is not None:
+        spec["copy_start"] = int(copy_start)
+    return {PARAMS_KEY: {"reconstruct": spec}}
 
 
-def context_len_of(params: Mapping[str, Any] | None, prompt: Sequence[int]) -> int | None:
-    """The context length ``T`` of a reconstruction request, or None for any other request.
+def reconstruct_request(
+    params: Mapping[str, Any] | None, prompt: Sequence[int]
+) -> ReconstructRequest | None:
+    """The parts of a reconstruction request, or None for any other request.
 
     Raises:
-        ValueError: the entry is malformed, or the prompt does not end with a copy of its
-            first ``T`` tokens after a non-empty repeat prompt.
+        ValueError: the entry is malformed, or the prompt from ``copy_start`` on is not a
+            copy of the context's beginning after a non-empty repeat prompt.
     """
     entry = (params or {}).get(PARAMS_KEY)
     if not entry or "reconstruct" not in entry:
         return None
     spec = entry["reconstruct"]
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("context_len"), int):
+    if (
+        not isinstance(spec, Mapping)
+        or not isinstance(spec.get("context_len"), int)
+        or not isinstance(spec.get("copy_start", 0), int)
+    ):
         raise ValueError(
             f"kv_transfer_params[{PARAMS_KEY!r}]['reconstruct'] must be "
-            f"{{'context_len': int}}, got {spec!r}"
+            f"{{'context_len': int, 'copy_start': int (optional)}}, got {spec!r}"
         )
     t = int(spec["context_len"])
-    if t <= 0 or 2 * t >= len(prompt):
+    start = int(spec.get("copy_start", len(prompt) - t))
+    if t <= 0 or start <= t or start >= len(prompt) or len(prompt) - start > t:
         raise ValueError(
-            f"reconstruct context_len {t} does not fit a prompt of {len(prompt)} tokens "
-            "(context + repeat prompt + context)"
+            f"reconstruct context_len {t}, copy_start {start} do not fit a prompt of "
+            f"{len(prompt)} tokens (context + repeat prompt + a copy of the context)"
         )
-    if list(prompt[:t]) != list(prompt[len(prompt) - t :]):
+    if list(prompt[start:]) != list(prompt[: len(prompt) - start]):
         raise ValueError(
-            "a reconstruction prompt must end with a copy of its first context_len tokens"
+            "a reconstruction prompt must end with a copy of its context from copy_start on"
         )
-    return t
+    return ReconstructRequest(t, start)
 
 
 @dataclass
@@ -140,6 +169,7 @@ def store_context(
     context_ids: Sequence[int],
     repeat_ids: Sequence[int] | None = None,
     tokenizer: Any = None,
+    max_len: int | None = None,
 ) -> Any:
     """Store ``context_ids`` compacted by KVzip's reconstruction pass (one vLLM request).
 
@@ -153,6 +183,9 @@ def store_context(
         context_ids: the context's token ids.
         repeat_ids: token ids between the copies; default :data:`REPEAT_PROMPT` encoded by
             ``tokenizer`` (or by ``llm``'s own tokenizer).
+        max_len: most prompt tokens allowed (the model's positions, ``max_model_len``):
+            a longer reconstruction prompt repeats only the context's first
+            ``max_len - T - r`` tokens (the last keys are then scored by fewer queries).
 
     Returns:
         vLLM's ``RequestOutput`` (one generated token, discarded).
@@ -162,10 +195,15 @@ def store_context(
     if repeat_ids is None:
         tok = tokenizer if tokenizer is not None else llm.get_tokenizer()
         repeat_ids = list(tok(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
+    t, r = len(context_ids), len(repeat_ids)
     ids = reconstruction_ids(list(context_ids), list(repeat_ids))
+    if max_len is not None and len(ids) > max_len:
+        if max_len - t - r < 1:
+            raise ValueError(f"max_len {max_len} cannot hold a {t}-token context and its repeat")
+        ids = ids[:max_len]
     params = SamplingParams(
         temperature=0.0,
         max_tokens=1,
-        extra_args={"kv_transfer_params": reconstruct_params(len(context_ids))},
+        extra_args={"kv_transfer_params": reconstruct_params(t, t + r)},
     )
     return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]

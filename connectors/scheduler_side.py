@@ -43,7 +43,7 @@ from connectors.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from connectors.reconstruct import context_len_of
+from connectors.reconstruct import ReconstructRequest, reconstruct_request
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 
@@ -67,7 +67,7 @@ class _Tracked:
     looked_up: tuple[int, int, int] | None = None  # (first, last, index version) -> present
     present: int = 0
     capture: list[int] | None = None
-    reconstruct: int | None = None  # context length T of a reconstruction request
+    reconstruct: ReconstructRequest | None = None  # a reconstruction pass's parts
 
 
 class SchedulerHalf:
@@ -112,10 +112,10 @@ class SchedulerHalf:
             self._requests[req_id] = tracked
         return tracked
 
-    def _reconstruct_len(self, request: Any, prompt: list[int]) -> int | None:
-        """``T`` when ``request`` is a valid reconstruction pass the policy can use."""
+    def _reconstruct_len(self, request: Any, prompt: list[int]) -> ReconstructRequest | None:
+        """The parts of ``request`` when it is a valid reconstruction pass the policy can use."""
         try:
-            t = context_len_of(getattr(request, "kv_transfer_params", None), prompt)
+            t = reconstruct_request(getattr(request, "kv_transfer_params", None), prompt)
         except ValueError as error:
             logger.error("request %s: %s; served as a plain request", request.request_id, error)
             return None
@@ -131,7 +131,11 @@ class SchedulerHalf:
             )
             return None
         logger.info(
-            "request %s is a reconstruction pass: stores its first %d tokens", request.request_id, t
+            "request %s is a reconstruction pass: stores its first %d tokens, scored by the "
+            "queries from position %d",
+            request.request_id,
+            t.context_len,
+            t.copy_start,
         )
         return t
 
@@ -316,7 +320,7 @@ class SchedulerHalf:
             tracked.capture = (
                 self.capture_positions(prompt_len)
                 if recon is None
-                else list(range(prompt_len - recon, prompt_len))  # the repeated copy
+                else list(range(recon.copy_start, prompt_len))  # the repeated copy
             )
         first, last = (
             bisect.bisect_left(tracked.capture, lo),
@@ -325,12 +329,17 @@ class SchedulerHalf:
         if first < last:
             positions = tracked.capture[first:last]
             slots = [tracked.block_ids[p // bs] * bs + p % bs for p in positions]
-            scored = None if recon is None else ReconstructCapture(list(tracked.block_ids), recon)
+            scored = (
+                None
+                if recon is None
+                else ReconstructCapture(list(tracked.block_ids), recon.context_len)
+            )
             meta.captures.append(CaptureSpec(sched.req_id, slots, positions, scored))
         if hi < prompt_len:
             return
         tracked.saved = True
-        n_full = prompt_len // c if recon is None else recon // c  # never the second copy
+        # never the second copy
+        n_full = prompt_len // c if recon is None else recon.context_len // c
         first = tracked.loaded_end // c
         if first < n_full:
             first = max(first, self._present(tracked, 0, n_full))
@@ -347,7 +356,7 @@ class SchedulerHalf:
                 block_ids=list(tracked.block_ids),
                 keys=keys,
                 start=first * c,
-                num_tokens=(prompt_len if recon is None else recon) - first * c,
+                num_tokens=(prompt_len if recon is None else recon.context_len) - first * c,
                 reconstruct=recon is not None,
             )
         )

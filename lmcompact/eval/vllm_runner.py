@@ -218,6 +218,7 @@ def run_cell(
     config: VllmEvalConfig,
     progress: Any = None,
     reconstruct: bool = False,
+    max_len: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every case through one engine; one row per question.
 
@@ -226,7 +227,8 @@ def run_cell(
     ``expected_hit_chunks``, ``packs``, ``blocks_released``, ``holes_adopted``,
     ``pack_s``); ``warm_s`` is the first request's time (store modes), ``store_request``
     what it was (``context`` or ``reconstruct``) and ``reconstruct_s`` the worker's time
-    scoring its repeat.
+    scoring its repeat; ``max_len`` caps the reconstruction prompt (the model's positions:
+    a longer one repeats only the context's beginning).
     """
     from connectors import offline
     from connectors.reconstruct import REPEAT_PROMPT, store_context
@@ -242,7 +244,7 @@ def run_cell(
             before = offline.request_counters(llm)
             began = time.perf_counter()
             if reconstruct:
-                store_context(llm, case.stored.context_ids, repeat_ids)
+                store_context(llm, case.stored.context_ids, repeat_ids, max_len=max_len)
             else:
                 offline.generate(llm, case.stored.context_ids, max_tokens=1)
             warm_s = time.perf_counter() - began
@@ -293,6 +295,16 @@ def run_cell(
     return rows
 
 
+def model_positions(folder: str) -> int:
+    """The model's trained positions (``max_position_embeddings``; vLLM's RoPE tables end
+    there: a longer prompt reads past them)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", 1 << 30))
+
+
 def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
     """Every (model, context, cell); rows carry ``engine, model, policy, budget,
     compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
@@ -307,6 +319,7 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
     for model in config.models:
         folder = str(prepare_model(model))
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        positions = model_positions(folder)
         for context in config.contexts:
             cases = build_cases(tokenizer, config, context)
             per_cell = count_questions(cases)
@@ -333,12 +346,11 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     "budget": budget,
                     "compact_on": mode,
                 }
+                wanted = (2 * context if recon else context) + 64 + config.new_tokens
+                max_model_len = min(wanted, max(positions, context + 64 + config.new_tokens))
                 try:
                     llm = offline.build_llm(
-                        folder,
-                        extra,
-                        max_model_len=(2 * context if recon else context) + 64 + config.new_tokens,
-                        connector=CONNECTOR,
+                        folder, extra, max_model_len=max_model_len, connector=CONNECTOR
                     )
                 except Exception as error:  # a refused config is a result, not a crash
                     logger.error("%s %s %s refused: %s", mode, policy, budget, error)
@@ -349,7 +361,9 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                         bar.update(per_cell)
                     continue
                 try:
-                    cell_rows = run_cell(llm, tokenizer, cases, mode, config, bar, recon)
+                    cell_rows = run_cell(
+                        llm, tokenizer, cases, mode, config, bar, recon, max_model_len - 1
+                    )
                 finally:
                     offline.shutdown(llm)
                     del llm

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.reconstruct import ReconstructScores, context_len_of, reconstruct_params
+from connectors.reconstruct import (
+    ReconstructRequest,
+    ReconstructScores,
+    reconstruct_params,
+    reconstruct_request,
+)
 from lmcompact.attention.scores import reconstruction_scores
 from lmcompact.policies.kvzip import reconstruction_ids
 
@@ -85,16 +90,20 @@ def test_request_marker() -> None:
     context = [5, 6, 7, 8]
     prompt = reconstruction_ids(context, [1, 2])
     assert prompt == [5, 6, 7, 8, 1, 2, 5, 6, 7, 8]
-    params = reconstruct_params(4)
-    assert context_len_of(params, prompt) == 4
-    assert context_len_of(None, prompt) is None
-    assert context_len_of({"other": 1}, prompt) is None
-    with pytest.raises(ValueError, match="copy of its first"):
-        context_len_of(params, [5, 6, 7, 8, 1, 2, 5, 6, 7, 9])
-    with pytest.raises(ValueError, match="does not fit"):
-        context_len_of(reconstruct_params(5), prompt)
+    assert reconstruct_request(reconstruct_params(4), prompt) == ReconstructRequest(4, 6)
+    assert reconstruct_request(reconstruct_params(4, 6), prompt) == ReconstructRequest(4, 6)
+    # a prompt cut to fit the model's positions repeats only the context's beginning
+    assert reconstruct_request(reconstruct_params(4, 6), prompt[:8]) == ReconstructRequest(4, 6)
+    assert reconstruct_request(None, prompt) is None
+    assert reconstruct_request({"other": 1}, prompt) is None
+    with pytest.raises(ValueError, match="copy of its context"):
+        reconstruct_request(reconstruct_params(4), [5, 6, 7, 8, 1, 2, 5, 6, 7, 9])
+    with pytest.raises(ValueError, match="do not fit"):
+        reconstruct_request(reconstruct_params(5), prompt)
+    with pytest.raises(ValueError, match="do not fit"):
+        reconstruct_request(reconstruct_params(4, 4), prompt)
     with pytest.raises(ValueError, match="context_len"):
-        context_len_of({"lmcompact": {"reconstruct": {"context_len": "4"}}}, prompt)
+        reconstruct_request({"lmcompact": {"reconstruct": {"context_len": "4"}}}, prompt)
     with pytest.raises(ValueError, match="> 0"):
         reconstruct_params(0)
     with pytest.raises(ValueError, match="empty"):
