@@ -48,12 +48,15 @@ class Hole:
         window_lead: leading blocks ``[0, window_lead)`` that sliding-window layers skip as
             well (``<= start_block``): those whose key index would not be the logical
             distance (see the module docstring). Full-attention layers ignore it.
+        req_id: the request, for runners that know their batch rows by request id
+            (:func:`cut_holes_in_place`); empty where only the first block is known.
     """
 
     first_block: int
     start_block: int
     num_blocks: int
     window_lead: int = 0
+    req_id: str = ""
 
     def __post_init__(self) -> None:
         if self.start_block < 0 or self.num_blocks < 1:
@@ -148,3 +151,40 @@ def skip_holes_on_device(
     table = torch.where(src < width, moved, torch.zeros_like(moved))
     lens = seq_lens - (count * block_size).to(seq_lens.dtype)
     return table, lens
+
+
+def cut_holes_in_place(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    lengths: list[int],
+    block_size: int,
+) -> None:
+    """Cut holes out of known batch rows, editing the tensors in place.
+
+    For runners that replay full CUDA graphs: the graphs read the table and key lengths
+    from fixed buffers, so the cut must land in those buffers before the step's attention
+    metadata is built from them. Rows are known on the host (by request id), so the cut
+    needs no read-back: a few tiny host-to-device copies and three kernels.
+
+    Args:
+        block_table: ``(rows, max_blocks)`` int32 physical block ids (edited in place).
+        seq_lens: ``(rows,)`` int32 key lengths (edited in place).
+        rows: batch rows that have a hole (distinct).
+        starts: per row, the logical index of its first hole block.
+        lengths: per row, the hole's length in blocks.
+        block_size: tokens per block.
+    """
+    if not rows:
+        return
+    device = block_table.device
+    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+    count = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+    width = block_table.shape[1]
+    cols = torch.arange(width, device=device).expand(len(rows), width)
+    src = torch.where(cols >= start[:, None], cols + count[:, None], cols)
+    moved = torch.gather(block_table[index], 1, src.clamp(max=width - 1))
+    block_table[index] = torch.where(src < width, moved, torch.zeros_like(moved))
+    seq_lens.index_add_(0, index, (-count * block_size).to(seq_lens.dtype))

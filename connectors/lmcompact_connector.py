@@ -48,14 +48,17 @@ class LMCompactWorkerMetadata(shim.KVConnectorWorkerMetadata):  # type: ignore[m
         self.report = report
 
     def aggregate(self, other: Any) -> LMCompactWorkerMetadata:
-        # several workers (tensor parallel) report one step; the connector refuses TP > 1
-        # today, so a union is exact
+        # under tensor parallelism every rank reports the step: a union is exact, because
+        # each rank reports its own slice keys (ChunkKey.for_rank) and its rank with packs
         if isinstance(other, LMCompactWorkerMetadata):
             self.report.merge(other.report)
         return self
 
 
-def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNamespace:
+def build_namespace(
+    config: ConnectorConfig, facts: shim.EngineFacts, tp_rank: int = 0
+) -> StoreNamespace:
+    """The store namespace of ``tp_rank``'s slices (rank 0's also derives the chunk keys)."""
     params = config.namespace_params()
     if config.store_compacts and facts.sliding_window is not None:
         # sliding-window layers store each chunk's most recent rows (connectors/holes.py);
@@ -65,6 +68,8 @@ def build_namespace(config: ConnectorConfig, facts: shim.EngineFacts) -> StoreNa
         model_id=config.model_id or facts.model_id,
         kv_dtype=str(facts.dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
+        tp_rank=tp_rank,
+        tp_world_size=facts.tp_size,
         policy_name=config.store_policy_name,
         policy_params=params,
     )
@@ -98,7 +103,10 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
             prefix_caching=self.facts.prefix_caching,
             per_head_counts=self.per_head_counts,
         )
-        self.namespace = build_namespace(self.config, self.facts)
+        # the worker's values carry its rank's namespace (a slice of another rank is refused
+        # as foreign); chunk keys are derived in rank 0's, then per rank (ChunkKey.for_rank)
+        self.tp_rank = 0 if role == shim.KVConnectorRole.SCHEDULER else shim.tp_rank()
+        self.namespace = build_namespace(self.config, self.facts, self.tp_rank)
         self.store: TieredStore = STORES.acquire(self.namespace, self.config.store_config())
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
@@ -108,14 +116,32 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
                 "when the worker loads it fails its request; set kv_load_failure_policy to "
                 "'recompute' in --kv-transfer-config to recompute such requests instead"
             )
+        self._rank_stores: list[TieredStore] = []  # scheduler, tensor parallel: ranks 1..
         if role == shim.KVConnectorRole.SCHEDULER:
             keyer = ChunkKeyer(self.namespace, self.config.chunk_size)
-            self.scheduler_half = SchedulerHalf(self.config, self.facts, self.store, keyer)
+            self._rank_stores = [
+                STORES.acquire(
+                    build_namespace(self.config, self.facts, rank), self.config.store_config()
+                )
+                for rank in range(1, self.facts.tp_size)
+            ]
+            self.scheduler_half = SchedulerHalf(
+                self.config,
+                self.facts,
+                self.store,
+                keyer,
+                rank_stores=[self.store, *self._rank_stores],
+            )
         else:
-            self.worker_half = WorkerHalf(self.config, self.facts, vllm_config, self.store)
+            self.worker_half = WorkerHalf(
+                self.config, self.facts, vllm_config, self.store, tp_rank=self.tp_rank
+            )
         logger.info(
-            "LMCompactConnector %s: policy=%s budget=%s chunk=%d tiers=%s vllm=%s",
+            "LMCompactConnector %s (tp rank %d of %d): policy=%s budget=%s chunk=%d tiers=%s "
+            "vllm=%s",
             role,
+            self.tp_rank,
+            self.facts.tp_size,
             self.config.policy,
             self.config.budget,
             self.config.chunk_size,
@@ -168,6 +194,8 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         if self.worker_half is not None:
             self.worker_half.shutdown()
         STORES.release(self.store)
+        for store in self._rank_stores:
+            STORES.release(store)
 
     # --------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(
@@ -199,4 +227,12 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # attention metadata is edited per step outside captured graphs
+        # Holes are cut in the runner's input buffers, which full decode graphs read
+        # (shim.hook_step_tables); steps that capture queries run eagerly on their own.
+        return False
+
+    @property
+    def lmcompact_step_editor(self) -> WorkerHalf | None:
+        """The worker half when it cuts holes in the runner's buffers (runner hooks)."""
+        worker = self.worker_half
+        return worker if worker is not None and worker.cut_at_build else None

@@ -9,7 +9,9 @@ its own beyond the queries it is collecting for a pending save.
 Worker -> scheduler (:class:`WorkerReport`): which chunks the worker stored or failed to
 store, and which loads it completed or could not complete. With vLLM's multiprocess engine
 the halves live in two processes, so this is how the scheduler learns what the worker's
-private tiers hold.
+private tiers hold. Under tensor parallelism vLLM merges every rank's report of a step
+(``KVConnectorWorkerMetadata.aggregate``): keys are each rank's slice keys and packs name
+their rank, so the union keeps who did what.
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ class WorkerReport:
         load_failed: requests whose loads were refused (missing or bad chunk); vLLM
             recomputes them from the load's start.
         missing: keys the worker found missing or bad when loading (stale index entries).
+        packed: ``(request id, tensor-parallel rank)`` of in-place packs done (the memory
+            connector releases a hole's blocks once every rank packed).
+
+    Keys are store keys of the reporting rank's slices (:meth:`ChunkKey.for_rank`).
     """
 
     saved: set[ChunkKey] = field(default_factory=set)
@@ -133,10 +139,16 @@ class WorkerReport:
     loaded: set[str] = field(default_factory=set)
     load_failed: set[str] = field(default_factory=set)
     missing: set[ChunkKey] = field(default_factory=set)
+    packed: set[tuple[str, int]] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (
-            self.saved or self.save_failed or self.loaded or self.load_failed or self.missing
+            self.saved
+            or self.save_failed
+            or self.loaded
+            or self.load_failed
+            or self.missing
+            or self.packed
         )
 
     def merge(self, other: WorkerReport) -> None:
@@ -146,3 +158,4 @@ class WorkerReport:
         self.loaded |= other.loaded
         self.load_failed |= other.load_failed
         self.missing |= other.missing
+        self.packed |= other.packed

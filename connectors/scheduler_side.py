@@ -14,6 +14,11 @@ private CPU tier under vLLM's multiprocess engine). A request whose next chunk i
 being saved by the worker waits (``None`` to vLLM: "ask again") until the save is reported
 or ``save_wait_s`` passes, so a prompt repeated right after its first request is a hit.
 
+Tensor parallel: every rank stores its slice of a chunk under its own key
+(:meth:`~lmcompact.store.ChunkKey.for_rank`) and reports it; a chunk exists only when every
+rank's slice does (in the reports or the store's index), and its save is in flight until
+every rank reported its slice.
+
 Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at token ``s``::
 
     logical tokens  s ........................ s+n*C | computed by vLLM ->
@@ -29,6 +34,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,17 +86,27 @@ class SchedulerHalf:
         store: TieredStore,
         keyer: ChunkKeyer,
         save_wait_s: float = 30.0,
+        rank_stores: Sequence[TieredStore] | None = None,
     ) -> None:
         self.config = config
         self.facts = facts
         self.store = store
+        # the index of each rank's slices (tiers such as Redis name entries by namespace,
+        # which holds the rank): rank 0's is ``store``
+        self.rank_stores = list(rank_stores) if rank_stores is not None else [store]
+        if len(self.rank_stores) != facts.tp_size:
+            raise ValueError(
+                f"one store per tensor-parallel rank: got {len(self.rank_stores)} for "
+                f"{facts.tp_size} ranks"
+            )
         self.keyer = keyer
         self.kept = config.kept_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
         self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self._requests: dict[str, _Tracked] = {}
-        self._reported: set[ChunkKey] = set()  # stored, as the worker said
-        self._saving: dict[ChunkKey, float] = {}  # save planned -> monotonic time planned
+        self.tp_size = facts.tp_size
+        self._reported: set[ChunkKey] = set()  # slice keys stored, as the workers said
+        self._saving: dict[ChunkKey, float] = {}  # slice save planned -> time planned
         self._version = 0  # bumps whenever what is known to exist changes
         self.stats = {
             "lookups": 0,
@@ -146,24 +162,41 @@ class SchedulerHalf:
         if tracked.looked_up == probe:
             return tracked.present
         present = first
-        while present < last and tracked.keys[present] in self._reported:
+        while present < last and self._reported.issuperset(self._slices(tracked.keys[present])):
             present += 1
         if present < last:
             self.stats["store_queries"] += 1
             try:
-                present += self.store.lookup_prefix(tracked.keys[present:last])
+                present += self._lookup(tracked.keys[present:last])
             except Exception:  # the store answers misses for faults; this is a last guard
                 logger.exception("store lookup failed; treating the rest as a miss")
         tracked.looked_up, tracked.present = probe, present
         return present
 
+    def _slices(self, key: ChunkKey) -> tuple[ChunkKey, ...]:
+        """Store keys of every rank's slice of the chunk ``key`` (``(key,)`` with one rank)."""
+        return key.slices(self.tp_size)
+
+    def _lookup(self, keys: list[ChunkKey]) -> int:
+        """Leading chunks of ``keys`` whose every slice the store's index holds."""
+        present = len(keys)
+        for rank in range(self.tp_size):
+            if present == 0:
+                break
+            ranked = [key.for_rank(rank, self.tp_size) for key in keys[:present]]
+            present = min(present, self.rank_stores[rank].lookup_prefix(ranked))
+        return present
+
     def _save_in_flight(self, key: ChunkKey) -> bool:
-        planned = self._saving.get(key)
-        if planned is None:
+        """Whether some rank's slice of chunk ``key`` is still being saved."""
+        waiting = [s for s in self._slices(key) if s in self._saving]
+        if not waiting:
             return False
+        planned = min(self._saving[s] for s in waiting)
         if time.monotonic() - planned <= self.save_wait_s:
             return True
-        del self._saving[key]
+        for s in waiting:
+            del self._saving[s]
         self.stats["wait_timeouts"] += 1
         logger.warning(
             "a chunk save planned %.0f s ago was never reported; serving without it "
@@ -211,7 +244,7 @@ class SchedulerHalf:
             self._saving.pop(key, None)
         if report.save_failed:
             self._version += 1
-        for req_id in report.loaded:
+        for req_id in report.loaded - report.load_failed:  # one refusing rank fails a load
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 tracked.load_start = None
@@ -287,6 +320,7 @@ class SchedulerHalf:
                 start_block=(start + count * self.kept) // bs,
                 num_blocks=hole_tokens // bs,
                 window_lead=(start + (count - 1) * self.kept) // bs,
+                req_id=sched.req_id,
             )
 
     def load_unconfirmed(self, req_id: str) -> bool:
@@ -349,7 +383,7 @@ class SchedulerHalf:
             return
         keys = tracked.keys[first:n_full]
         now = time.monotonic()
-        self._saving.update((key, now) for key in keys)
+        self._saving.update((s, now) for key in keys for s in self._slices(key))
         meta.saves.append(
             SaveSpec(
                 req_id=sched.req_id,

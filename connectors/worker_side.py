@@ -14,6 +14,12 @@ Per step::
 
 The worker keeps no request state except queries collected for a save still to come.
 After each step it reports what it stored and loaded (:class:`WorkerReport`).
+
+Tensor parallel: each rank runs one worker half over its own KV heads (``facts.num_kv_heads``
+is the rank's count) and the queries of its own query heads, so scores, plans and stored
+rows are per rank; kept counts per chunk are the config's, equal on every rank, so the
+block tables the scheduler planned hold for all of them. A rank stores and loads its slice
+under ``key.for_rank(rank, tp_size)`` and reports those slice keys.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from connectors import vllm_shim as shim
 from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
 from connectors.config import ConnectorConfig
+from connectors.holes import cut_holes_in_place
 from connectors.kv_layout import PageLayout, make_layout
 from connectors.metadata import (
     LoadSpec,
@@ -40,7 +47,7 @@ from connectors.metadata import (
 )
 from connectors.reconstruct import ReconstructScores
 from lmcompact.policies import Need
-from lmcompact.store import CompactedChunk, TieredStore
+from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +56,19 @@ AttentionObserver = Callable[[str, torch.Tensor, Any, torch.Tensor], None]
 
 
 class WorkerHalf:
-    """Loads, captures and saves KV for one worker (tensor-parallel rank 0 of 1)."""
+    """Loads, captures and saves KV for one worker (one tensor-parallel rank)."""
 
     def __init__(
-        self, config: ConnectorConfig, facts: shim.EngineFacts, vllm_config: Any, store: TieredStore
+        self,
+        config: ConnectorConfig,
+        facts: shim.EngineFacts,
+        vllm_config: Any,
+        store: TieredStore,
+        tp_rank: int = 0,
     ) -> None:
         self.config = config
         self.facts = facts
+        self.tp_rank = tp_rank
         self.vllm_config = vllm_config
         self.store = store
         self.policy = config.store_policy()  # `none` when chunks are stored whole
@@ -71,6 +84,14 @@ class WorkerHalf:
         self._meta: StepMetadata | None = None
         self._prepared = False
         self._edited: dict[tuple[int, bool], Any] = {}  # (id(metadata), sliding) -> copy
+        # Holes cut in the runner's input buffers (shim.hook_step_tables), which is where
+        # full CUDA graphs read them; otherwise per layer in the metadata (_skip_holes).
+        self.full_graphs = False
+        self.cut_at_build = False
+        self._staged: StepMetadata | None = None
+        self._cut_for: StepMetadata | None = None  # the step edit_tables last served
+        self._stage_seen = False  # the runner hook runs (V2 GPU runner)
+        self._forward_expected = True  # the staged step runs a forward pass
         self._capture_rows: dict[str, torch.Tensor] = {}
         self._captured: dict[str, list[list[torch.Tensor]]] = {}
         self._captured_pos: dict[str, list[int]] = {}
@@ -98,6 +119,8 @@ class WorkerHalf:
             "captures_found": 0,
             "reconstruct_s": 0.0,  # scoring reconstruction passes on the forward path
             "reconstruct_queries": 0,
+            "eager_capture_steps": 0,  # steps run without full graphs to capture queries
+            "rows_cut_in_buffers": 0,
         }
 
     # ------------------------------------------------------------------ set-up
@@ -119,6 +142,7 @@ class WorkerHalf:
             shim.wrap_attention_forward(name, layer, self._before_attention, self._after_attention)
         self.windows = {name: shim.sliding_window(layer) for name, layer in self.layers.items()}
         self._log_sliding()
+        self._choose_hole_cutting()
         logger.info(
             "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
             len(self.layers),
@@ -127,6 +151,90 @@ class WorkerHalf:
             self.kept,
             self.config.chunk_size,
         )
+
+    def _choose_hole_cutting(self) -> None:
+        """Cut holes in the runner's buffers where the runner allows it (full CUDA graphs
+        need it); sliding-window layers need a cut of their own per layer kind, which only
+        the per-layer path makes, so with them full graphs are refused."""
+        self.full_graphs = shim.full_cudagraphs(self.vllm_config)
+        self.cut_at_build = not self.sliding_layers and shim.hook_step_tables()
+        if self.full_graphs and not self.cut_at_build:
+            why = (
+                f"the model has {len(self.sliding_layers)} sliding-window layers, whose "
+                "windows are cut per layer inside attention"
+                if self.sliding_layers
+                else f"this vLLM ({shim.vllm_version()}) has no runner hook for hole cuts"
+            )
+            raise ValueError(
+                f"LMCompactConnector cannot run with full CUDA graphs here: {why}, which a "
+                "replayed graph skips. Start vLLM with piecewise graphs "
+                '(compilation_config={"cudagraph_mode": "PIECEWISE"}, CLI '
+                "-cc.cudagraph_mode=PIECEWISE) or enforce_eager"
+            )
+        logger.info(
+            "holes cut %s (full CUDA graphs %s)",
+            "in the runner's input buffers where its hooks run (vLLM's V2 GPU runner)"
+            if self.cut_at_build
+            else "per attention layer",
+            "on" if self.full_graphs else "off",
+        )
+
+    # ------------------------------------------------------------------ runner hooks
+    def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
+        """The coming step's metadata (see :class:`connectors.vllm_shim.StepTableEditor`)."""
+        step = getattr(connector_metadata, "step", None)
+        self._staged = step if isinstance(step, StepMetadata) else None
+        self._stage_seen = True
+        self._forward_expected = has_tokens
+        captures = self._staged is not None and bool(self._staged.captures)
+        eager = self.full_graphs and uniform and captures
+        if eager:
+            self.stats["eager_capture_steps"] += 1
+        return eager
+
+    def edit_tables(
+        self,
+        req_ids: list[str],
+        block_tables: tuple[torch.Tensor, ...],
+        seq_lens: torch.Tensor,
+        seq_lens_upper: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Cut the staged step's holes out of the runner's buffers, by request id."""
+        step = self._staged
+        self._cut_for = step
+        if step is None or not step.holes:
+            return None
+        bs = self.facts.block_size
+        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+        rows: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        for hole in step.holes.values():
+            if not hole.req_id:
+                raise RuntimeError(f"hole without a request id: {hole}")
+            row = row_of.get(hole.req_id)
+            if row is None:
+                continue
+            end = (hole.start_block + hole.num_blocks) * bs
+            if int(seq_lens_upper[row]) <= end:
+                raise ValueError(
+                    f"{hole.req_id}: hole blocks [{hole.start_block}, "
+                    f"{hole.start_block + hole.num_blocks}) need more than {end} keys, the "
+                    f"step has {int(seq_lens_upper[row])}"
+                )
+            rows.append(row)
+            starts.append(hole.start_block)
+            lengths.append(hole.num_blocks)
+        if not rows:
+            return None
+        if len(block_tables) != 1:
+            raise ValueError(f"holes need one KV-cache group, the runner has {len(block_tables)}")
+        cut_holes_in_place(block_tables[0], seq_lens, rows, starts, lengths, bs)
+        upper = seq_lens_upper.clone()
+        for row, length in zip(rows, lengths, strict=True):
+            upper[row] -= length * bs
+        self.stats["rows_cut_in_buffers"] += len(rows)
+        return upper
 
     @property
     def sliding_layers(self) -> frozenset[int]:
@@ -157,6 +265,17 @@ class WorkerHalf:
                 smallest,
             )
 
+    def slice_keys(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """Store keys of this rank's slices of the chunks ``keys`` (the keys themselves
+        without tensor parallelism)."""
+        return [key.for_rank(self.tp_rank, self.facts.tp_size) for key in keys]
+
+    def report_packed(self, req_id: str) -> None:
+        """An in-place pack of ``req_id`` ran on this rank (its hole may be released once
+        every rank says so)."""
+        with self._lock:
+            self._report.packed.add((req_id, self.tp_rank))
+
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: StepMetadata) -> None:
         """The step's metadata was bound (always before its forward pass)."""
@@ -179,7 +298,17 @@ class WorkerHalf:
             self._load(load)
         per_layer = shim.forward_metadata(forward_context)
         self._capture_rows = self._find_capture_rows(meta, per_layer)
-        if meta.holes and per_layer:
+        if not meta.holes or (self.cut_at_build and self._cut_for is meta):
+            return  # nothing to cut, or cut in the runner's buffers (edit_tables)
+        if self._stage_seen and self._staged is meta and not self._forward_expected:
+            return  # a step without a forward pass (nothing attends)
+        if self.full_graphs:
+            # a replayed graph would read the uncut tables: never attend to hole blocks
+            raise RuntimeError(
+                "a step with compacted holes reached the forward pass uncut under full CUDA "
+                "graphs (the runner hook did not run); start vLLM with piecewise graphs"
+            )
+        if per_layer:
             self._skip_holes(meta, per_layer)
 
     def _load(self, load: LoadSpec) -> None:
@@ -215,13 +344,14 @@ class WorkerHalf:
 
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
+        keys = self.slice_keys(load.keys)
         try:
-            found = self.store.get_many(load.keys)
+            found = self.store.get_many(keys)
         except Exception:  # tiers answer misses for faults; this is a last guard
             logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
             found = [None] * len(load.keys)
         chunks: list[CompactedChunk] = []
-        for index, (key, chunk) in enumerate(zip(load.keys, found, strict=True)):
+        for index, (key, chunk) in enumerate(zip(keys, found, strict=True)):
             problem = (
                 "missing"
                 if chunk is None
@@ -395,7 +525,7 @@ class WorkerHalf:
         first_layer = next(iter(self.layers.values()))
         return SaveJob(
             spec.req_id,
-            spec.keys,
+            self.slice_keys(spec.keys),
             spec.start,
             spec.num_tokens,
             pages,

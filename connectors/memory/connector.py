@@ -44,6 +44,7 @@ from connectors.memory.heavy_hitters import (
 from connectors.memory.packing import WindowQueries, pack_in_place
 from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
 from connectors.memory.planner import HolePlanner, PrefillMode
+from connectors.memory.rank_packs import RankPacks
 from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
 from connectors.metadata import StepMetadata
 from lmcompact.kernels import dispatch as kernels
@@ -127,6 +128,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 "enable_prefix_caching=False"
             )
         self._check_pack_geometry(int(vllm_config.model_config.max_model_len))
+        self._refuse_under_tensor_parallel()
         self.perhead: PerHeadAttention | None = None  # worker side, with memory.per_head
         self.heavy: HeavyHitterScores | None = None  # worker side, with decode_policy h2o
         if self.planner.decode_budget_blocks is not None and self.facts.prefix_caching:
@@ -144,6 +146,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         }
         self.device_packer: DevicePacker | None = None  # worker side, CUDA
         self.warm_up_s: list[tuple[int, float]] = []
+        self.rank_packs = RankPacks(self.facts.tp_size)  # scheduler side, pack reports
         # per pack: host seconds of its launches, and CUDA events around its device work
         self._pack_times: list[tuple[float, Any, Any]] = []
         self._policy = self.config.make_policy()
@@ -164,8 +167,9 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 needs_scores=needs_scores(self._policy),
                 reserve_growth=self.memory.reserve_growth,
             )
-            # an adopted store-load hole goes back only once the worker wrote the load
-            self.memory_scheduler.held_back = self._scheduler().load_unconfirmed
+            # an adopted store-load hole goes back only once the worker wrote the load, a
+            # packed prompt's hole (tensor parallel) once every rank packed it
+            self.memory_scheduler.held_back = self._held_back
         logger.info(
             "LMCompactMemoryConnector %s: prefill=%s decode_budget=%s decode_policy=%s sinks=%d",
             role,
@@ -189,7 +193,47 @@ class LMCompactMemoryConnector(LMCompactConnector):
             "no length up to max_model_len: only some" if honoured is None else honoured,
         )
 
+    def _refuse_under_tensor_parallel(self) -> None:
+        """Start-up refusal of the modes not made exact per tensor-parallel rank.
+
+        Per-head counts are allocated over the heads a worker sees (a rank sees only its
+        slice, so the allocation and the padded length would differ from one GPU's), and H2O
+        decode merges were never checked across ranks; both are refused rather than run
+        unverified. Uniform policies are per rank by construction: every (layer, head)
+        keeps the same count, so one block table serves all ranks.
+        """
+        if self.facts.tp_size == 1:
+            return
+        refused = []
+        if self.memory.per_head is not None:
+            refused.append("memory.per_head (per-head counts)")
+        if self.memory.decode_policy == "h2o":
+            refused.append("memory.decode_policy 'h2o'")
+        if refused:
+            raise ValueError(
+                f"{' and '.join(refused)} with tensor_parallel_size {self.facts.tp_size}: "
+                "not supported under tensor parallelism (each rank sees only its KV heads); "
+                "use a uniform policy without per_head and decode_policy 'recent', or "
+                "tensor_parallel_size 1"
+            )
+
     # --------------------------------------------------------------- scheduler side
+    def _held_back(self, req_id: str) -> bool:
+        """Whether ``req_id``'s hole blocks must stay held this step."""
+        return self._scheduler().load_unconfirmed(req_id) or self.rank_packs.pending(req_id)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        report = getattr(shim.worker_metadata(connector_output), "report", None)
+        if report is not None:
+            self.rank_packs.confirm(report.packed)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.rank_packs.drop(request.request_id)
+        return super().request_finished(request, block_ids)
+
     def _memory(self) -> MemoryScheduler:
         if self.memory_scheduler is None:
             raise RuntimeError("scheduler-side call on the worker connector")
@@ -198,6 +242,14 @@ class LMCompactMemoryConnector(LMCompactConnector):
     def on_load_failures(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._memory().cancel_hole(req_id)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # per-head counts and H2O decode work inside every attention call, decode included
+        memory = extra_config.get("memory") if isinstance(extra_config, dict) else None
+        if not isinstance(memory, dict):
+            return False
+        return memory.get("per_head") is not None or memory.get("decode_policy") == "h2o"
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # vLLM >= 0.32: the manager itself (its base implementation then calls
@@ -223,6 +275,8 @@ class LMCompactMemoryConnector(LMCompactConnector):
         step = super().build_connector_meta(scheduler_output).step
         memory = self._memory()
         packs = memory.plan_step(scheduler_output, step)
+        for job in packs:  # its hole goes back once every rank reported the pack
+            self.rank_packs.expect(job.req_id)
         merges = memory.take_merges()
         if packs or merges or not step.is_idle():
             # holes, captures and loads must be in place before the forward pass; vLLM
@@ -238,6 +292,9 @@ class LMCompactMemoryConnector(LMCompactConnector):
             self.perhead = make_perhead_attention(self._worker())
         if self.planner.decode_recent_blocks is not None:
             self.heavy = make_heavy_hitter_scores(self._worker())
+        if self.perhead is not None or self.heavy is not None:
+            # both read this step's holes inside attention layers, on uncut metadata
+            self._worker().cut_at_build = False
         self._make_device_packer()
 
     def _make_device_packer(self) -> None:
@@ -354,6 +411,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
             worker._captured.pop(job.req_id, None)
             worker._captured_pos.pop(job.req_id, None)
+            worker.report_packed(job.req_id)
             self.pack_stats["packs"] += 1
             self.pack_stats["tokens"] += job.num_tokens
             self.pack_stats["seconds"] += time.perf_counter() - began
@@ -388,6 +446,7 @@ class LMCompactMemoryConnector(LMCompactConnector):
         end.record()
         worker._captured.pop(job.req_id, None)
         worker._captured_pos.pop(job.req_id, None)
+        worker.report_packed(job.req_id)  # launched: later kernels on the stream see it
         host = time.perf_counter() - began
         self.pack_stats["packs"] += 1
         self.pack_stats["device_packs"] += 1

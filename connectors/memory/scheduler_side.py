@@ -370,7 +370,7 @@ class MemoryScheduler:
             hole = self.planner.visible(req_id, step)
             if hole is not None:
                 meta.holes[hole.first_block] = Hole(
-                    hole.first_block, hole.start, hole.length, hole.window_lead
+                    hole.first_block, hole.start, hole.length, hole.window_lead, req_id
                 )
             held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
             if held > self.stats.peak_held.get(req_id, 0):

@@ -7,6 +7,12 @@ Used by ``lmcompact bench serve`` (one engine per subprocess). ``num_requests`` 
 CPU build runs eagerly); the KV pool is fixed by ``num_blocks`` or sized by
 ``gpu_memory_utilization``. The loop records per engine step the running requests, the
 tokens scheduled, whether the step only decoded, and its wall time.
+
+With ``tensor_parallel_size`` > 1 the engine core (and the connector's scheduler half)
+stays in this process and each rank runs in a worker process (vLLM's ``mp`` executor); pack
+timings are then read from every rank through ``LLM.collective_rpc`` (rank 0's in the
+figures, every rank's p50 beside them). On the CPU each rank is bound to its share of this
+process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``, unless set).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class ServeWorkload:
         load_format: vLLM load format (``"dummy"``: random weights of the model's shape).
         enforce_eager: True turns CUDA graphs off (the CPU build is always eager).
         seed: prompt token ids.
+        tensor_parallel_size: ranks the model is split across (KV heads divide by it).
     """
 
     model: str
@@ -52,6 +59,7 @@ class ServeWorkload:
     load_format: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
 
 
 def prompts(workload: ServeWorkload) -> list[list[int]]:
@@ -81,9 +89,12 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
     from vllm.config import KVTransferConfig
 
     on_cuda = torch.cuda.is_available()
+    tp = workload.tensor_parallel_size
     if not on_cuda:  # vllm-cpu: a small fixed KV space, one thread per process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if tp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
     kwargs: dict[str, Any] = {}
     if extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -108,6 +119,8 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
         seed=0,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
         **kwargs,
     )
     init_s = time.perf_counter() - began
@@ -154,7 +167,7 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
     wall = time.perf_counter() - t0
     scheduler.schedule = original_schedule
     end_free = int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-    memory = _connector_figures(scheduler)
+    memory = _connector_figures(scheduler, llm if tp > 1 else None)
     engine.engine_core.shutdown()
 
     n = min(len(step_s), len(decode_only))
@@ -187,17 +200,42 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
     }
 
 
-def _connector_figures(scheduler: Any) -> dict[str, Any] | None:
-    """Pack counts and timings of the memory connector (in-process engine only)."""
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's CPUs evenly across ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // ranks
+    if share < 1:
+        raise ValueError(f"tensor_parallel_size {ranks} on the CPU needs {ranks} CPUs, got {cpus}")
+    return "|".join(
+        ",".join(str(c) for c in cpus[r * share : (r + 1) * share]) for r in range(ranks)
+    )
+
+
+def _rank_pack_figures(worker: Any) -> dict[str, Any]:
+    """Run on each worker (``LLM.collective_rpc``): its connector's pack figures."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector: Any = get_kv_transfer_group()
+    return {
+        "timings": connector.pack_timings(),
+        "device_packs": int(connector.pack_stats["device_packs"]),
+        "unscored": int(connector.pack_stats["unscored"]),
+        "warm_up_s": [list(x) for x in connector.warm_up_s],
+    }
+
+
+def _connector_figures(scheduler: Any, llm: Any = None) -> dict[str, Any] | None:
+    """Pack counts and timings of the memory connector: the in-process worker's, or with
+    ``llm`` (tensor parallel) every rank's through ``collective_rpc``."""
     connector = getattr(scheduler, "connector", None)
     memory = getattr(connector, "memory_scheduler", None)
     if memory is None:
         return None
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker: Any = get_kv_transfer_group()  # in-process: the worker-side connector
+    # in-process: the worker-side connector here; tensor parallel: every rank's
+    ranks = [_rank_pack_figures(None)] if llm is None else llm.collective_rpc(_rank_pack_figures)
     stats = memory.stats
-    timings = worker.pack_timings()
+    first = ranks[0]
+    timings = first["timings"]
     device, host = timings["device"], timings["host"]
     return {
         "packs": stats.packs,
@@ -205,8 +243,8 @@ def _connector_figures(scheduler: Any) -> dict[str, Any] | None:
         "preemptions_seen": stats.preemptions,
         "admissions_deferred": stats.admissions_deferred,
         "blocks_released": stats.blocks_released,
-        "device_packs": int(worker.pack_stats["device_packs"]),
-        "unscored_packs": int(worker.pack_stats["unscored"]),
+        "device_packs": first["device_packs"],
+        "unscored_packs": first["unscored"],
         "pack_ms_p50": percentile(device, 0.5),
         "pack_ms_p99": percentile(device, 0.99),
         "pack_ms_first": device[0] if device else 0.0,
@@ -214,5 +252,6 @@ def _connector_figures(scheduler: Any) -> dict[str, Any] | None:
         "pack_host_ms_first": host[0] if host else 0.0,
         "pack_s_total": sum(host) / 1e3,
         "pack_ms": [round(x, 3) for x in device],
-        "warm_up_s": [list(x) for x in worker.warm_up_s],
+        "warm_up_s": first["warm_up_s"],
+        "pack_ms_p50_per_rank": [percentile(r["timings"]["device"], 0.5) for r in ranks],
     }

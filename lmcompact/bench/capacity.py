@@ -19,16 +19,14 @@ Goal from the issue: concurrency_ratio >= 0.8 / budget.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from lmcompact.bench.child import run_child
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.bench.child import child_main
+from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
+from lmcompact.cli._output import format_table
 
 NAME = "capacity"
 HELP = "fixed KV pool, many long-context requests: concurrency, decode throughput, needle"
@@ -79,21 +77,13 @@ def _settings(args: argparse.Namespace) -> dict[str, int]:
     return base
 
 
-def _budgets(text: str) -> list[str]:
-    budgets = [b.strip() for b in text.split(",") if b.strip()]
-    for b in budgets:
-        if not 0.0 < float(b) < 1.0:
-            raise ValueError(f"--budgets values must be in (0, 1), got {b}")
-    return budgets
-
-
 def _child(spec_path: str) -> int:
-    from connectors.memory.workload import Workload, run_workload
+    def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+        from connectors.memory.workload import Workload, run_workload
 
-    spec = json.loads(Path(spec_path).read_text())
-    result = run_workload(Workload(**spec["workload"]), spec["extra"])
-    Path(spec["out"]).write_text(json.dumps(result))
-    return 0
+        return run_workload(Workload(**workload), extra)
+
+    return child_main(spec_path, run_one)
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -143,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.child:
         return _child(args.child)
     settings = _settings(args)
-    budgets = _budgets(args.budgets)
+    budgets = parse_budgets(args.budgets)
     if args.model is None:
         from lmcompact.hf.prepare import prepare_model
 
@@ -164,28 +154,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "load_format": args.load_format,
     }
-    runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="lmc-capacity-") as scratch:
-        plans: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)]
-        plans += [
-            (
-                b,
-                {
-                    "policy": args.policy,
-                    "budget": float(b),
-                    "save": False,
-                    "load": False,
-                    "window": 32,
-                    "memory": {"prefill": "pack"},
-                },
-            )
-            for b in budgets
-        ]
-        for name, extra in plans:
-            print(f"capacity: running {name} ...", file=sys.stderr, flush=True)
-            runs[name] = run_child(
-                "capacity", workload, extra, Path(scratch), name.replace(".", "_")
-            )
+    memory = {"prefill": "pack"}
+    runs = run_plans("capacity", workload, budget_plans(args.policy, budgets, 32, memory))
 
     base = runs["baseline"]
     summary: dict[str, Any] = {
@@ -234,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     payload = {
-        "command": "lmcompact bench capacity "
-        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "capacity"] else sys.argv[1:]),
+        "command": bench_command("capacity"),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
@@ -251,8 +220,5 @@ def run(args: argparse.Namespace) -> int:
         **summary,
         "runs": runs,
     }
-    write_json(args.json, payload)
-    if args.json not in (None, "-") or args.plot:
-        plot = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
-        _plot(plot, runs, summary)
+    publish(args, payload, lambda path: _plot(path, runs, summary))
     return 0

@@ -10,8 +10,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+Runner = Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]]
+"""(workload fields, extra config or None) -> plain JSON result."""
 
 
 def run_child(
@@ -57,3 +61,11 @@ def run_child(
         if "WARNING" in line and ("connectors." in line or "lmcompact" in line)
     ][:20]
     return result
+
+
+def child_main(spec_path: str, run: Runner) -> int:
+    """The child's side of :func:`run_child`: read the spec, run it, write the result."""
+    spec = json.loads(Path(spec_path).read_text())
+    result = run(spec["workload"], spec["extra"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0

@@ -1,9 +1,12 @@
 """``lmcompact bench connector``: TTFT with a compacted-prefix store hit vs recompute.
 
-Real vLLM on the CPU (in-process engine, float32) with SmolLM2-135M. For each policy, a
-~4k-token prompt is sent three times to one engine: the first request computes the prompt
-and stores its compacted chunks (recompute TTFT), the next two load them (hit TTFT; the
-best of two is reported). TTFT is the wall time of a one-token generation. Also reported:
+Real vLLM, in-process engine: on the CPU (float32, eager) with SmolLM2-135M and a natural
+text prompt; with ``--shape llama3-8b`` a config-only folder of that shape with random
+weights (``load_format="dummy"``, bf16 on CUDA, CUDA graphs on) and seeded random token
+ids, for speed only. For each policy, the prompt is sent three times to one engine: the
+first request computes the prompt and stores its compacted chunks (recompute TTFT), the
+next two load them (hit TTFT; the best of two is reported). TTFT is the wall time of a
+one-token generation. Also reported:
 stored bytes vs the full KV of the same chunks, and compaction time per 1k tokens (the
 background thread's work: layout decode, window scores, policy, chunk build).
 """
@@ -13,8 +16,14 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm import tqdm
+
+from lmcompact.bench.serve import SHAPES, shape_folder
 from lmcompact.cli._output import format_table, write_json
 
 NAME = "connector"
@@ -31,16 +40,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="dummy-weight shape")
+    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
 
 
+def engine_options(shape: str | None) -> tuple[str, dict[str, Any]]:
+    """dtype and ``LLM`` keywords: the CPU test setting, or a GPU serving one for shapes."""
+    if shape is None:
+        return "float32", {}
+    return "bfloat16", {
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": False,
+        "max_num_batched_tokens": None,  # vLLM's default token budget per step
+    }
+
+
 def measure(
-    model: str, prompt: list[int], policy: str, budget: float, chunk_size: int
+    model: str,
+    prompt: list[int],
+    policy: str,
+    budget: float,
+    chunk_size: int,
+    shape: str | None = None,
+    block_size: int = 32,
 ) -> dict[str, Any]:
     from connectors import offline
 
-    extra = {"policy": policy, "budget": budget, "chunk_size": chunk_size, "window": 64}
-    llm = offline.build_llm(model, extra, max_model_len=len(prompt) + 64)
+    extra: dict[str, Any] = {
+        "policy": policy,
+        "budget": budget,
+        "chunk_size": chunk_size,
+        "window": 64,
+    }
+    dtype, engine = engine_options(shape)
+    if shape is not None:
+        extra["cpu_capacity_mb"] = 16384  # a 16k prompt of the 8B shape is 2 GiB uncompacted
+    llm = offline.build_llm(
+        model,
+        extra,
+        dtype=dtype,
+        max_model_len=len(prompt) + 64,
+        block_size=block_size,
+        engine=engine,
+    )
     try:
         miss = offline.generate(llm, prompt, max_tokens=1)
         offline.connector_stats()
@@ -74,21 +118,27 @@ def run(args: argparse.Namespace) -> int:
     from connectors import offline
 
     offline.in_process_env(kv_cache_gib=2)
-    from transformers import AutoTokenizer
-
-    from lmcompact.cli.demo import build_prompt, haystack
-
-    if args.model is None:
-        from lmcompact.hf.prepare import prepare_model
-
-        args.model = str(prepare_model("smollm2"))
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompt = build_prompt(tokenizer, haystack(tokenizer, args.prompt_tokens - 40, 0.5))
-    rows = [
-        measure(args.model, prompt, p.strip(), args.budget, args.chunk_size)
-        for p in args.policies.split(",")
-        if p.strip()
-    ]
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.shape is not None:
+            args.model = str(shape_folder(args.shape, Path(scratch)))
+            vocab = int(str(SHAPES[args.shape]["vocab_size"]))
+            gen = torch.Generator().manual_seed(0)
+            prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=gen).tolist()
+        else:
+            prompt = _text_prompt(args)
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        rows = [
+            measure(
+                args.model,
+                prompt,
+                policy,
+                args.budget,
+                args.chunk_size,
+                args.shape,
+                args.block_size,
+            )
+            for policy in tqdm(policies, desc="policies")
+        ]
     print(
         format_table(
             rows,
@@ -104,5 +154,31 @@ def run(args: argparse.Namespace) -> int:
             ],
         )
     )
-    write_json(args.json, {"machine": platform.machine(), "rows": rows})
+    settings = {k: getattr(args, k) for k in ("shape", "prompt_tokens", "chunk_size", "block_size")}
+    write_json(
+        args.json,
+        {
+            "machine": platform.machine(),
+            "device": _device_name(),
+            "settings": settings,
+            "rows": rows,
+        },
+    )
     return 0
+
+
+def _text_prompt(args: argparse.Namespace) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from lmcompact.cli.demo import build_prompt, haystack
+
+    if args.model is None:
+        from lmcompact.hf.prepare import prepare_model
+
+        args.model = str(prepare_model("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    return build_prompt(tokenizer, haystack(tokenizer, args.prompt_tokens - 40, 0.5))
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()

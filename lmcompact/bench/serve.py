@@ -10,9 +10,11 @@ in place at prefill end) run in fresh subprocesses of one invocation::
     e2e_ratio[b]    = output_tok_s(b) / output_tok_s(baseline)       (wall clock, all work)
     decode_ratio[b] = decode_tok_s(b) / decode_tok_s(baseline)       (decode-only steps)
 
-``--quick`` runs on the CPU with SmolLM2 in a few minutes. For a serving shape without
-weights, ``--shape llama3-8b`` writes a config folder (Llama-3-8B: 32 layers, 32 query /
-8 KV heads, head_dim 128) and loads random weights (``load_format="dummy"``).
+``--quick`` runs on the CPU with SmolLM2 in a few minutes. ``--tensor-parallel-size N``
+splits the model across N GPUs (CPU: N worker processes) with vLLM's ``mp`` executor. For a
+serving shape without weights, ``--shape llama3-8b`` writes a config folder (Llama-3-8B:
+32 layers, 32 query / 8 KV heads, head_dim 128) and loads random weights
+(``load_format="dummy"``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lmcompact.bench.child import run_child
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.bench.child import child_main
+from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
+from lmcompact.cli._output import format_table
 
 NAME = "serve"
 HELP = "end-to-end serving (CUDA graphs, default batching): baseline vs compaction budgets"
@@ -77,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reserve", action="store_true", help="admission without reserve")
     parser.add_argument("--no-warm-up", action="store_true", help="skip start-up warm-up")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (CPU: processes) the model is split across; its KV heads must divide by it",
+    )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -96,17 +105,10 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
         base["pool_requests"] = None
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    base["tensor_parallel_size"] = args.tensor_parallel_size
     return base
-
-
-def _budgets(text: str) -> list[str]:
-    budgets = [b.strip() for b in text.split(",") if b.strip()]
-    if not budgets:
-        raise ValueError("--budgets needs at least one value")
-    for b in budgets:
-        if not 0.0 < float(b) < 1.0:
-            raise ValueError(f"--budgets values must be in (0, 1), got {b}")
-    return budgets
 
 
 def shape_folder(shape: str, root: Path) -> Path:
@@ -118,12 +120,12 @@ def shape_folder(shape: str, root: Path) -> Path:
 
 
 def _child(spec_path: str) -> int:
-    from connectors.memory.serve_run import ServeWorkload, run_serve
+    def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+        from connectors.memory.serve_run import ServeWorkload, run_serve
 
-    spec = json.loads(Path(spec_path).read_text())
-    result = run_serve(ServeWorkload(**spec["workload"]), spec["extra"])
-    Path(spec["out"]).write_text(json.dumps(result))
-    return 0
+        return run_serve(ServeWorkload(**workload), extra)
+
+    return child_main(spec_path, run_one)
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if args.child:
         return _child(args.child)
     settings = _settings(args)
-    budgets = _budgets(args.budgets)
+    budgets = parse_budgets(args.budgets)
     import torch
 
     on_cuda = torch.cuda.is_available()
@@ -210,32 +212,19 @@ def run(args: argparse.Namespace) -> int:
             "dtype": dtype,
             "load_format": load_format,
             "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": settings["tensor_parallel_size"],
         }
-        plans: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)]
         memory = {
             "prefill": "pack",
             "reserve_growth": not args.no_reserve,
             "warm_up": not args.no_warm_up,
         }
-        plans += [
-            (
-                b,
-                {
-                    "policy": args.policy,
-                    "budget": float(b),
-                    "save": False,
-                    "load": False,
-                    "window": args.window,
-                    "memory": memory,
-                },
-            )
-            for b in budgets
-        ]
-        runs: dict[str, dict[str, Any]] = {}
-        for name, extra in plans:
-            print(f"serve: running {name} ...", file=sys.stderr, flush=True)
-            runs[name] = run_child("serve", workload, extra, Path(scratch), name.replace(".", "_"))
-            print(format_table([_row(name, runs[name])]), file=sys.stderr, flush=True)
+
+        def show(name: str, result: dict[str, Any]) -> None:
+            print(format_table([_row(name, result)]), file=sys.stderr, flush=True)
+
+        plans = budget_plans(args.policy, budgets, args.window, memory)
+        runs = run_plans("serve", workload, plans, Path(scratch), show)
 
     base = runs["baseline"]
 
@@ -264,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     payload = {
-        "command": "lmcompact bench serve "
-        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"] else sys.argv[1:]),
+        "command": bench_command("serve"),
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),
@@ -284,8 +272,5 @@ def run(args: argparse.Namespace) -> int:
         payload["machine"]["vllm"] = vllm.__version__
     except ImportError:  # pragma: no cover - the runs themselves need vLLM
         pass
-    write_json(args.json, payload)
-    if args.json not in (None, "-") or args.plot:
-        plot = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
-        _plot(plot, runs, summary)
+    publish(args, payload, lambda path: _plot(path, runs, summary))
     return 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from lmcompact.eval.tables import fmt, group_by, table_head, table_row
 
 KEY = ("impl", "task", "policy", "budget", "context")
 MEANS = (
@@ -28,11 +29,8 @@ MEANS = (
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean of every numeric field over samples, one row per (impl, task, policy, budget,
     context); ``samples`` counts them and ``exact`` says whether every agreement was 1.0."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[tuple(row.get(k) for k in KEY)].append(row)
     out = []
-    for key, members in groups.items():
+    for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
         summary["samples"] = len(members)
         for name in MEANS:
@@ -77,12 +75,7 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
             "kept@min",
             "compaction s",
         ]
-        lines = [
-            f"### {task} ({metric}, mean over samples)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "---|" * len(header),
-        ]
+        lines = table_head(f"{task} ({metric}, mean over samples)", header)
         for context in contexts:
             keys = sorted(
                 {(r["policy"], r["impl"]) for r in rows if r["context"] == context},
@@ -94,21 +87,11 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
                     for r in rows
                     if (r["context"], r["policy"], r["impl"]) == (context, policy, impl)
                 }
-                values = [_fmt(cells[b][metric]) if b in cells else "" for b in budgets]
+                values = [fmt(cells[b][metric]) if b in cells else "" for b in budgets]
                 smallest = cells[min(cells)]
+                kept, seconds = smallest.get("kept_ratio"), smallest.get("compaction_s")
                 lines.append(
-                    "| "
-                    + " | ".join(
-                        [
-                            str(context),
-                            policy,
-                            impl,
-                            *values,
-                            _fmt(smallest.get("kept_ratio")),
-                            _fmt(smallest.get("compaction_s")),
-                        ]
-                    )
-                    + " |"
+                    table_row([str(context), policy, impl, *values, fmt(kept), fmt(seconds)])
                 )
         sections.append("\n".join(lines))
     timing = _timing_table(summary)
@@ -128,30 +111,17 @@ def _timing_table(summary: Sequence[dict[str, Any]]) -> str:
         return ""
     budgets = sorted({r["budget"] for r in rows}, reverse=True)
     header = ["context", "policy", "impl", *[f"b={b:g}" for b in budgets]]
-    lines = [
-        "### compaction time (s, needle prompt, mean over samples)",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
+    lines = table_head("compaction time (s, needle prompt, mean over samples)", header)
     cells = {(r["context"], r["policy"], r["impl"], r["budget"]): r for r in rows}
     for context, policy, impl in sorted({(r["context"], r["policy"], r["impl"]) for r in rows}):
         values = [
-            _fmt(cells[(context, policy, impl, b)]["compaction_s"])
+            fmt(cells[(context, policy, impl, b)]["compaction_s"])
             if (context, policy, impl, b) in cells
             else ""
             for b in budgets
         ]
-        lines.append("| " + " | ".join([str(context), policy, impl, *values]) + " |")
+        lines.append(table_row([str(context), policy, impl, *values]))
     return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
 
 
 def plot(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from lmcompact.eval.tables import fmt, group_by, table_head
 
 KEY = ("engine", "model", "task", "context", "compact_on", "policy", "budget")
 MODE_ORDER = {"none": 0, "save": 1, "load": 2, "inplace": 3}
@@ -17,11 +18,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     time ``cell_s``, mean seconds per question, and ``store_ok`` (every question hit the
     chunks it should, and every compacting question request was packed or loaded a hole).
     Refused cells keep their ``error``."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[tuple(row.get(k) for k in KEY)].append(row)
     out = []
-    for key, members in groups.items():
+    for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
         errors = [m["error"] for m in members if m.get("error")]
         scored = [m for m in members if "accuracy" in m]
@@ -68,19 +66,15 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
         ]
         budgets = sorted({r["budget"] for r in rows if r["compact_on"] != "none"}, reverse=True)
         header = ["compact_on", "policy", *[f"b={b:g}" for b in budgets], "n", "cell s"]
-        lines = [
-            f"### {model}, {task}, context {context} (accuracy; n questions per cell)",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "---|" * len(header),
-        ]
+        title = f"{model}, {task}, context {context} (accuracy; n questions per cell)"
+        lines = table_head(title, header)
         for r in rows:
             if r["compact_on"] == "none":
-                acc = _fmt(r["accuracy"])
+                acc = fmt(r["accuracy"])
                 lines.append(
                     "| full cache | none | "
                     + " | ".join(acc for _ in budgets)
-                    + f" | {r['n']} | {_fmt(r['cell_s'])} |"
+                    + f" | {r['n']} | {fmt(r['cell_s'])} |"
                 )
         pairs = sorted(
             {(r["compact_on"], r["policy"]) for r in rows if r["compact_on"] != "none"},
@@ -99,13 +93,13 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
                     values.append("refused")
                 else:
                     flag = "" if cell["store_ok"] else " (!)"
-                    values.append(_fmt(cell["accuracy"]) + flag)
+                    values.append(fmt(cell["accuracy"]) + flag)
             n = max((c["n"] for c in cells.values()), default=0)
             wall = [c["cell_s"] for c in cells.values() if c.get("cell_s") is not None]
             lines.append(
                 f"| {mode} | {policy} | "
                 + " | ".join(values)
-                + f" | {n} | {_fmt(statistics.fmean(wall)) if wall else ''} |"
+                + f" | {n} | {fmt(statistics.fmean(wall)) if wall else ''} |"
             )
         sections.append("\n".join(lines))
     refused = [r for r in summary if r.get("error")]
@@ -121,14 +115,6 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
         "time of the engine cell (every task of that context length, engine start included)"
     )
     return "\n\n".join([*sections, note]) + "\n"
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
 
 
 def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) -> list[Path]:

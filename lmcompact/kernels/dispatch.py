@@ -23,8 +23,8 @@ from contextvars import ContextVar
 import torch
 
 from lmcompact.attention import scores as scores_reference
+from lmcompact.attention.pooling import pool_scores
 from lmcompact.kernels.moves import DefragPlan, SlotMoves, compaction_moves, plan_defragment
-from lmcompact.kernels.pooling import pool_scores
 from lmcompact.kernels.reference_paged import (
     move_slots_reference,
     paged_attention_reference,
@@ -70,7 +70,7 @@ def window_scores(
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
     pool_size: int = 1,
-    pool: str = "max",
+    pool: str = "maxpool",
 ) -> torch.Tensor:
     """``(B, Hkv, T)`` float32 window-attention mass per key, optionally SnapKV-pooled.
 
@@ -80,7 +80,8 @@ def window_scores(
         query_positions: ``(W,)`` (default: the last W positions).
         scale: Softmax scale (default ``1 / sqrt(D)``).
         pool_size: Odd pooling window along T (1 = none).
-        pool: ``"max"`` or ``"avg"``.
+        pool: ``"maxpool"`` or ``"avgpool"`` (:func:`lmcompact.attention.pooling.pool_scores`,
+            the pooling the policies use).
     """
     if use_kernels(queries.device):
         from lmcompact.kernels import window_scores as kernel
@@ -131,31 +132,18 @@ def paged_attention(
             lengths.num_kv_heads, block_table.shape[1] * key_pool.shape[1], key_pool.shape[1]
         )
         _check_query_runs(cu_seqlens_q, lengths)
+    args = (queries, key_pool, value_pool, block_table, cu_seqlens_q, lengths)
     if use_kernels(queries.device):
         from lmcompact.kernels import paged_attention as kernel
 
         return kernel.paged_attention(
-            queries,
-            key_pool,
-            value_pool,
-            block_table,
-            cu_seqlens_q,
-            lengths,
+            *args,
             scale=scale,
             return_key_mass=return_key_mass,
             max_q_len=max_q_len,
             max_visible=max_visible,
         )
-    return paged_attention_reference(
-        queries,
-        key_pool,
-        value_pool,
-        block_table,
-        cu_seqlens_q,
-        lengths,
-        scale=scale,
-        return_key_mass=return_key_mass,
-    )
+    return paged_attention_reference(*args, scale=scale, return_key_mass=return_key_mass)
 
 
 def move_slots(
@@ -168,14 +156,13 @@ def move_slots(
     moves: SlotMoves,
 ) -> None:
     """Copy tokens between (or within) paged pools; overlapping moves are safe."""
+    args = (src_keys, src_values, src_table, dst_keys, dst_values, dst_table, moves)
     if use_kernels(src_keys.device):
         from lmcompact.kernels import compaction_copy as kernel
 
-        kernel.move_slots(src_keys, src_values, src_table, dst_keys, dst_values, dst_table, moves)
+        kernel.move_slots(*args)
     else:
-        move_slots_reference(
-            src_keys, src_values, src_table, dst_keys, dst_values, dst_table, moves
-        )
+        move_slots_reference(*args)
 
 
 def compact_heads(

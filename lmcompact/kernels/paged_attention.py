@@ -47,6 +47,8 @@ def _attn_split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     table_ptr,
     cu_q_ptr,
     kept_ptr,
@@ -62,6 +64,9 @@ def _attn_split_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_tb,
     stride_os,
     stride_ot,
@@ -75,6 +80,8 @@ def _attn_split_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -94,6 +101,8 @@ def _attn_split_kernel(
         # keys past the tile's last query are invisible to every row of the tile
         last_q = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
         c_end = kept + (seq - q_len + last_q) - tail + 1
+        if NUM_SPLITS > 0:  # the split length follows the lengths on the device (fixed grid)
+            split_len = tl.cdiv(tl.cdiv(tl.maximum(c_end, 1), NUM_SPLITS), BLOCK_N) * BLOCK_N
         c_lo = pid_s * split_len
         c_hi = tl.minimum(c_lo + split_len, c_end)
         d = tl.arange(0, BLOCK_D)
@@ -113,9 +122,12 @@ def _attn_split_kernel(
             blk = tl.load(row_base + slot // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
             k_off = blk * stride_kb + (slot % BLOCK_SIZE) * stride_ks + h * stride_kh
             k = tl.load(
-                k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0
-            )
+                k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0
+            ).to(q.dtype)  # int8 -> q's dtype is exact (|k| <= 127)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            if QUANT:  # per-token scales: keys scale the logits, values the probabilities
+                s_off = blk * stride_sb + (slot % BLOCK_SIZE) * stride_ss + h * stride_sh
+                s = s * tl.load(ks_ptr + s_off, mask=c_ok, other=0.0)[None, :]
             seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -124,9 +136,11 @@ def _attn_split_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0
+            ).to(q.dtype)
+            if QUANT:
+                p = p * tl.load(vs_ptr + s_off, mask=c_ok, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -389,6 +403,8 @@ def paged_attention(
         queries,
         key_pool,
         value_pool,
+        key_pool,  # no scales: never read (QUANT is off)
+        value_pool,
         block_table,
         cu_seqlens_q,
         kept,
@@ -402,6 +418,9 @@ def paged_attention(
         queries.stride(0),
         queries.stride(1),
         *key_pool.stride()[:3],
+        0,
+        0,
+        0,
         block_table.stride(0),
         *part_strides,
         part_lse.stride(0),
@@ -413,26 +432,13 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=precision,
+        QUANT=False,
+        NUM_SPLITS=0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1:
-        if not out.is_contiguous():
-            raise ValueError("internal: output must be contiguous for the split merge")
-        _merge_splits_kernel[(total_q * hq,)](
-            part,
-            part_lse,
-            out,
-            lse,
-            num_splits,
-            d,
-            total_q * hq,
-            part.stride(0),
-            part_lse.stride(0),
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=1,
-        )
+        _merge(part, part_lse, out, lse, num_splits)
     if mass is not None and max_visible > 0:
         mass_block_n = 64
         _key_mass_kernel[(batch * hkv, triton.cdiv(max_visible, mass_block_n))](
@@ -464,3 +470,137 @@ def paged_attention(
             num_warps=4,
         )
     return out, mass
+
+
+def _merge(
+    part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int
+) -> None:
+    """Merge ``(splits, T, Hq, D)`` partial outputs into ``out`` by their log-sum-exp."""
+    if not out.is_contiguous():
+        raise ValueError("internal: output must be contiguous for the split merge")
+    total_q, hq, d = out.shape
+    _merge_splits_kernel[(total_q * hq,)](
+        part,
+        part_lse,
+        out,
+        lse,
+        splits,
+        d,
+        total_q * hq,
+        part.stride(0),
+        part_lse.stride(0),
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1,
+    )
+
+
+def decode_splits(
+    batch: int, num_kv_heads: int, head_dim: int, visible: int, device: torch.device
+) -> int:
+    """Key splits for :func:`paged_decode_attention` at about ``visible`` keys per head."""
+    return _num_splits(batch * num_kv_heads, visible, _decode_block_n(head_dim), device)
+
+
+def _decode_block_n(head_dim: int) -> int:
+    return 64 if head_dim > 64 else 128
+
+
+def paged_decode_attention(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    lengths: PagedLengths,
+    *,
+    scale: float,
+    num_splits: int,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per request over a paged pool: a fixed grid, no host reads (CUDA-graph safe).
+
+    Unlike :func:`paged_attention`, nothing here depends on host values that
+    change from step to step: each program splits its visible keys into
+    ``num_splits`` parts itself from the lengths on the device, so one launch
+    (or one captured graph) serves every later step. The caller checks shapes
+    once (see :class:`lmcompact.hf.paged.step.DecodeState`).
+
+    int8 pools pass ``key_scales`` / ``value_scales``: per-token float32 scales
+    ``(num_blocks, block_size, Hkv)``; the kernel loads int8 K/V, converts them
+    in registers (exact), scales the logits by the key scales and the
+    probabilities by the value scales.
+
+    Args:
+        queries: ``(B, Hq, D)`` (one query per request), head_dim contiguous.
+        key_pool, value_pool: ``(num_blocks, block_size, Hkv, D)`` views, float
+            in the queries' dtype, or int8 with scales.
+        block_table: ``(B, max_blocks)`` int32/int64, row-contiguous.
+        cu_seqlens_q: ``(B + 1,)`` ``0, 1, ..., B``.
+        lengths: kept ``(B, Hkv)`` contiguous, tail_start and seq_len ``(B,)``.
+        scale: Softmax scale.
+        num_splits: Key splits per (request, kv head) (:func:`decode_splits`).
+
+    Returns:
+        ``(B, Hq, D)`` in the queries' dtype.
+    """
+    batch, hq, d = queries.shape
+    hkv = key_pool.shape[2]
+    bs = key_pool.shape[1]
+    quant = key_scales is not None and value_scales is not None
+    block_n = _decode_block_n(d)
+    block_d = triton.next_power_of_2(d)
+    out = torch.empty(batch, hq, d, dtype=queries.dtype, device=queries.device)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=queries.device)
+    if num_splits == 1:
+        part, part_lse = out, lse[None]
+        part_strides: tuple[int, ...] = (0, out.stride(0), out.stride(1))
+    else:
+        part = torch.empty(num_splits, batch, hq, d, dtype=torch.float32, device=queries.device)
+        part_lse = torch.empty(num_splits, batch, hq, dtype=torch.float32, device=queries.device)
+        part_strides = part.stride()[:3]
+    ks = key_scales if quant else key_pool
+    vs = value_scales if quant else value_pool
+    scale_strides = key_scales.stride() if quant and key_scales is not None else (0, 0, 0)
+    group = hq // hkv
+    block_m = 16 if group <= 16 else 64
+    _attn_split_kernel[(batch * hkv, triton.cdiv(group, block_m), num_splits)](
+        queries,
+        key_pool,
+        value_pool,
+        ks,
+        vs,
+        block_table,
+        cu_seqlens_q,
+        lengths.kept,
+        lengths.tail_start,
+        lengths.seq_len,
+        part,
+        part_lse,
+        scale * LOG2E,
+        0,
+        d,
+        queries.stride(0),
+        queries.stride(1),
+        *key_pool.stride()[:3],
+        *scale_strides,
+        block_table.stride(0),
+        *part_strides,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        HKV=hkv,
+        GROUP=group,
+        BLOCK_SIZE=bs,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(queries.dtype),
+        QUANT=quant,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
+        num_stages=3 if block_d <= 64 else 2,
+    )
+    if num_splits > 1:
+        _merge(part, part_lse, out, lse, num_splits)
+    return out

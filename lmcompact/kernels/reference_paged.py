@@ -55,6 +55,8 @@ def paged_attention_reference(
     *,
     scale: float | None = None,
     return_key_mass: bool = False,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of varlen queries over a compacted paged pool, per kv head.
 
@@ -68,6 +70,8 @@ def paged_attention_reference(
         lengths: kept / tail_start / seq_len per request and head.
         scale: Softmax scale (default ``1 / sqrt(D)``).
         return_key_mass: Also return the attention mass per key slot.
+        key_scales, value_scales: ``(num_blocks, block_size, Hkv)`` float32
+            per-token scales of an int8 pool (K/V = int8 value x scale), or None.
 
     Returns:
         ``(total_q, Hq, D)`` output in the queries' dtype (zeros for a query that
@@ -98,6 +102,9 @@ def paged_attention_reference(
             offsets = slots % bs
             k = key_pool[blocks, offsets, h].float()  # (n, D)
             v = value_pool[blocks, offsets, h].float()
+            if key_scales is not None and value_scales is not None:
+                k = k * key_scales[blocks, offsets, h].float()[:, None]
+                v = v * value_scales[blocks, offsets, h].float()[:, None]
             q = queries[cu[b] : cu[b + 1], h * group : (h + 1) * group].float()  # (S, G, D)
             logits = torch.einsum("sgd,nd->sgn", q, k) * scale
             kept = int(lengths.kept[b, h])

@@ -12,7 +12,7 @@ L2, keys from memory once per pass)::
 Splitting pass 1 by key tile (instead of streaming all keys per row) keeps the
 grid wide at small batch: ``B * Hkv * T / BLOCK_N`` programs in both passes.
 SnapKV pooling runs right after, on the ``(B, Hkv, T)`` mass
-(:func:`lmcompact.kernels.pooling.pool_scores`).
+(:func:`lmcompact.attention.pooling.pool_scores`).
 Reference: :func:`lmcompact.attention.scores.window_scores`.
 """
 

@@ -1,4 +1,8 @@
-"""Selection helpers shared by several policies: recency, sinks, pooling, budget splits.
+"""Selection shared by the policies: top-k per head, recency, sinks, pooling, budget splits.
+
+:func:`topk_mask` is the one top-k of the project (policies, Ada-KV's safeguard,
+FastGen's caps and the GPU pack all rank through :func:`descending_order`), and
+:func:`pool_scores` is :mod:`lmcompact.attention.pooling`'s (re-exported here).
 
 Every helper works on padded decode candidates: ``valid`` marks real entries and
 ``positions`` gives their original positions, so "most recent" means the highest
@@ -10,9 +14,21 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from lmcompact.policies.base import CompactionInputs, descending_order
+from lmcompact.attention.pooling import POOLINGS, pool_scores
+from lmcompact.policies.inputs import CompactionInputs
+
+__all__ = [
+    "POOLINGS",
+    "descending_order",
+    "pool_scores",
+    "recent_mask",
+    "rows_of",
+    "sink_mask",
+    "split_evenly",
+    "topk_keep",
+    "topk_mask",
+]
 
 
 def recent_mask(inputs: CompactionInputs, count: int | torch.Tensor) -> torch.Tensor:
@@ -25,7 +41,7 @@ def recent_mask(inputs: CompactionInputs, count: int | torch.Tensor) -> torch.Te
     """
     positions = inputs.positions_or_arange().to(torch.float64)
     valid = inputs.valid_or_all()
-    return top_mask(positions, valid, count)
+    return topk_mask(positions, count, valid)
 
 
 def sink_mask(inputs: CompactionInputs, n_sink: int) -> torch.Tensor:
@@ -33,37 +49,79 @@ def sink_mask(inputs: CompactionInputs, n_sink: int) -> torch.Tensor:
     return (inputs.positions_or_arange() < n_sink) & inputs.valid_or_all()
 
 
-def top_mask(scores: torch.Tensor, valid: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """``(H, T)`` bool: per head, the ``count`` best valid candidates by ``scores``."""
-    num_heads, length = scores.shape
-    device = scores.device  # sorted where the scores are; the mask comes back on the host
-    valid = valid.to(device)
-    counts = torch.as_tensor(count, dtype=torch.int64).to(device).expand(num_heads)
-    counts = torch.minimum(counts.clamp(min=0), valid.sum(dim=-1))
-    order = descending_order(scores.detach().double(), valid)
-    rank_of_slot = torch.empty_like(order)
-    ranks = torch.arange(length, device=device).expand(num_heads, -1).contiguous()
-    rank_of_slot.scatter_(-1, order, ranks)
-    return (rank_of_slot < counts.unsqueeze(-1)).cpu()
+def topk_keep(
+    scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Per head, the sorted indices of the ``k`` highest scores among valid candidates.
 
-
-def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
-    """Smooth ``(H, T)`` scores along T with a same-length 1-D max or average pool.
+    Ties go to the later (more recent) candidate, so results are deterministic.
+    Invalid candidates are never kept, whatever their score (even ``-inf``
+    valid candidates rank above them).
 
     Args:
-        scores: ``(H, T)`` non-negative scores.
-        kernel_size: Odd window width (1 disables pooling).
-        pooling: ``"maxpool"`` or ``"avgpool"`` (zero padding counts in the average).
+        scores: ``(H, T)`` float scores (higher is kept first; NaN is an error).
+        k: Tokens to keep, one int for all heads or an ``(H,)`` tensor.
+        valid: ``(H, T)`` bool mask; invalid candidates are never kept.
+
+    Returns:
+        ``H`` sorted int64 CPU tensors of candidate indices; head ``h`` keeps
+        ``min(k[h], valid[h].sum())`` of them.
     """
-    if kernel_size == 1:
-        return scores
-    x = scores.unsqueeze(1)
-    pad = kernel_size // 2
-    if pooling == "maxpool":
-        out = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
+    return rows_of(topk_mask(scores, k, valid))
+
+
+def topk_mask(
+    scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(R, T)`` bool CPU mask of :func:`topk_keep`'s choice, for any number of rows.
+
+    One sort over all rows (callers stack every layer's heads into ``R``), so
+    the cost is a few tensor ops whatever the number of layers and heads.
+    """
+    # sort where the scores are (a GPU sorts every layer's heads in well under a
+    # millisecond; a host sort of 32 x 8 x 16k doubles takes a good part of a second)
+    device = scores.device
+    scores = scores.detach().double()
+    num_rows, length = scores.shape
+    valid_on = None if valid is None else valid.to(device)
+    if valid_on is None:
+        if bool(torch.isnan(scores).any()):
+            raise ValueError(
+                "scores contain NaN for valid candidates; a policy must score every one"
+            )
+        available = torch.full((num_rows,), length, dtype=torch.int64, device=device)
     else:
-        out = F.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=True)
-    return out.squeeze(1)
+        if bool(torch.isnan(scores[valid_on]).any()):
+            raise ValueError(
+                "scores contain NaN for valid candidates; a policy must score every one"
+            )
+        available = valid_on.sum(dim=-1)
+    wanted = torch.as_tensor(k, dtype=torch.int64).to(device).expand(num_rows)
+    counts = torch.minimum(wanted, available)
+    order = descending_order(scores, valid_on)
+    rank_of_slot = torch.empty_like(order)
+    ranks = torch.arange(length, device=device).expand(num_rows, -1).contiguous()
+    rank_of_slot.scatter_(-1, order, ranks)
+    return (rank_of_slot < counts.clamp(min=0).unsqueeze(-1)).cpu()
+
+
+def rows_of(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Sorted int64 column indices of the True entries of each row of ``(R, T)`` ``mask``."""
+    columns = torch.nonzero(mask, as_tuple=False)[:, 1]
+    return list(torch.split(columns, mask.sum(dim=-1).tolist()))
+
+
+def descending_order(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``(H, T)`` candidate indices, best first: valid before invalid, then by score
+    (descending), ties to the later candidate. ``valid=None`` means all valid."""
+    flipped = torch.flip(scores, dims=[-1])
+    order = torch.sort(flipped, dim=-1, descending=True, stable=True).indices
+    order = scores.shape[-1] - 1 - order
+    if valid is None or bool(valid.all()):
+        return order
+    rank_valid = torch.gather(valid, -1, order)
+    regroup = torch.sort(rank_valid.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return torch.gather(order, -1, regroup)
 
 
 def split_evenly(total: int, weights: list[float], caps: list[int]) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lmcompact.plan import KeepPlan
-from lmcompact.policies._select import top_mask
+from lmcompact.policies._select import topk_mask
 from lmcompact.policies.base import (
     CompactionInputs,
     CompactionPolicy,
@@ -83,7 +83,7 @@ class AdaKV(CompactionPolicy):
         valid = inputs.valid_or_all().cpu()
         heads, length = scores.shape
         ranked = scores.detach().cpu().double()
-        safeguard = top_mask(ranked, valid, math.ceil(self.alpha_safeguard * keep))
+        safeguard = topk_mask(ranked, math.ceil(self.alpha_safeguard * keep), valid)
         total = min(keep * heads, int(valid.sum()))
         # One ranking over the flattened (H x T) pairs: safeguards first, then by
         # score; invalid slots last (never reached, total <= valid slots).

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcompact.plan import KeepPlan
-from lmcompact.policies._select import recent_mask, top_mask
+from lmcompact.policies._select import recent_mask, topk_mask
 from lmcompact.policies.base import Budget, CompactionInputs, CompactionPolicy, Need, Phase
 
 PROFILES = (
@@ -89,7 +89,7 @@ class FastGen(CompactionPolicy):
         accumulated = attention.detach().double().cpu().sum(dim=1)
         special = inputs.special_mask.cpu().expand_as(valid) & valid
         punct = special | (inputs.punctuation_mask.cpu().expand_as(valid) & valid)
-        frequent = punct | top_mask(accumulated, valid, _ceil(self.frequency_ratio * counts))
+        frequent = punct | topk_mask(accumulated, _ceil(self.frequency_ratio * counts), valid)
         local = frequent | recent_mask(inputs, _ceil(self.local_ratio * counts))
         return torch.stack([special, punct, frequent, local, valid])
 
@@ -138,7 +138,7 @@ class FastGen(CompactionPolicy):
             assert attention is not None and inputs.special_mask is not None
             rank = attention.detach().double().cpu().sum(dim=1)
             rank = rank.masked_fill(inputs.special_mask.cpu().expand_as(rank), float("inf"))
-            capped = top_mask(rank, chosen, cap)
+            capped = topk_mask(rank, cap, chosen)
             layers.append(tuple(torch.nonzero(row).flatten() for row in capped))
         return KeepPlan(seq_len=inputs.num_candidates, kept=tuple(layers))
 

@@ -6,10 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcompact.policies._select import pool_scores, recent_mask
+from lmcompact.policies._select import POOLINGS, pool_scores, recent_mask
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
-
-POOLINGS = ("maxpool", "avgpool")
 
 
 @dataclass

@@ -6,7 +6,16 @@ For chunk size ``S`` and token ids ``t``, chunk ``i`` covers ``t[i*S:(i+1)*S]`` 
     key_i = blake2b(key_{i-1} | int64-LE bytes of the chunk's token ids),   key_{-1} = root
 
 so a key names the whole prefix up to the chunk's end, and two engines whose namespaces differ
-(model, KV dtype, layout, tensor-parallel rank, policy, format) never share a key. Only
+(model, KV dtype, layout, tensor-parallel size, policy, format) never share a key.
+
+Under tensor parallelism each rank holds a slice of the KV heads and stores it under its own
+key. The chain above runs once, in the namespace with ``tp_rank`` 0 (the chunk's key, which
+the scheduler names in its metadata); rank ``r`` of ``n > 1`` stores its slice under
+:meth:`ChunkKey.for_rank`::
+
+    slice_r = blake2b(key | int64-LE r | int64-LE n, person="lmc-tp-slice")
+
+With one rank the slice key is the chunk key, so a single-GPU engine's keys do not change. Only
 bytes go into the hash (never Python ``hash``), so keys are stable across processes and hosts.
 
 The hash is cryptographic on purpose: two prompts with one key would get each other's KV,
@@ -115,6 +124,21 @@ class ChunkKey:
 
     def hex(self) -> str:
         return self.digest.hex()
+
+    def for_rank(self, rank: int, world_size: int) -> ChunkKey:
+        """Key of tensor-parallel rank ``rank``'s slice of this chunk (itself when
+        ``world_size`` is 1)."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got {rank} of {world_size}")
+        if world_size == 1:
+            return self
+        h = hashlib.blake2b(self.digest, digest_size=KEY_BYTES, person=b"lmc-tp-slice")
+        h.update(rank.to_bytes(8, "little") + world_size.to_bytes(8, "little"))
+        return ChunkKey(h.digest())
+
+    def slices(self, world_size: int) -> tuple[ChunkKey, ...]:
+        """Keys of every rank's slice, in rank order."""
+        return tuple(self.for_rank(rank, world_size) for rank in range(world_size))
 
     def __repr__(self) -> str:
         return f"ChunkKey({self.digest.hex()[:16]}..)"

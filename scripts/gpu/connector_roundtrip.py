@@ -30,15 +30,13 @@ Prints one ``PASS``/``FAIL`` line per check and a JSON summary; exit status 1 on
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,16 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from device_env import ROOT, block_size, environment, on_cuda  # noqa: F401
+from device_env import block_size, dtype, environment, on_cuda, write_report
+
+from connectors.offline import worker_connector
+from tests.integration.vllm.probes import (
+    PrefillRecorder,
+    attention_vs_reference,
+    compacted_prefix,
+    stored_chunks,
+)
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,6 @@ SPECS = {
 # ------------------------------------------------------------------------------- models
 def build_model(spec: ModelSpec, root: Path) -> Path:
     """Tokenizer + config + seeded random bf16/fp32 weights of a Llama in ``root/spec.name``."""
-    from tests.integration.vllm.tiny_model import build_tiny_llama
 
     tiny = build_tiny_llama(root / "tiny")
     if spec.name == "tiny":
@@ -116,58 +122,27 @@ def build_model(spec: ModelSpec, root: Path) -> Path:
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
-    from tests.integration.vllm.tiny_model import tiny_prompt_ids
-
     return tiny_prompt_ids(length, seed=seed)
 
 
 # ------------------------------------------------------------------------------- engine
-@contextmanager
 def engine(
     model: Path, extra: dict[str, Any] | None, *, prefix_caching: bool = False
-) -> Iterator[Any]:
-    """An in-process ``LLM``; ``extra`` None runs without the connector."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+) -> AbstractContextManager[Any]:
+    """An in-process ``LLM`` (:func:`connectors.offline.engine`); ``extra`` None runs
+    without the connector."""
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactConnector",
-            kv_connector_module_path="connectors.lmcompact_connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra),
-        )
-    if on_cuda():
-        kwargs["gpu_memory_utilization"] = 0.25
-    llm = LLM(
-        model=str(model),
-        dtype="bfloat16" if on_cuda() else "float32",
+    options: dict[str, Any] = {"gpu_memory_utilization": 0.25} if on_cuda() else {}
+    return offline_engine(
+        str(model),
+        extra,
+        dtype=dtype(),
         block_size=block_size(),
         max_model_len=4096,
-        enforce_eager=True,
-        enable_prefix_caching=prefix_caching,
-        max_num_batched_tokens=4096,
-        seed=0,
-        **kwargs,
+        prefix_caching=prefix_caching,
+        **options,
     )
-    try:
-        yield llm
-    finally:
-        connector = worker_connector()
-        if connector is not None:
-            connector.worker_half.drain()
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        if on_cuda():
-            torch.cuda.empty_cache()
-
-
-def worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
 CACHED: list[int | None] = []
@@ -192,34 +167,6 @@ def greedy(llm: Any, ids: list[int], max_tokens: int) -> tuple[list[int], list[f
     return tokens, logprobs
 
 
-class Recorder:
-    """Observer of some layers: query, output, block row and key length of prefill calls."""
-
-    def __init__(self, half: Any, names: list[str]) -> None:
-        self.half = half
-        self.names = set(names)
-        self.calls: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-
-    def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name not in self.names or metadata.num_actual_tokens < 2:
-            return
-        n = int(metadata.num_actual_tokens)
-        row = metadata.block_table[0].tolist()
-        seq_len = int(metadata.seq_lens[0])
-        keys, values = self.half.layout.read(self.half.kv_caches[name], row, 0, seq_len)
-        self.calls[name].append(
-            {
-                "query": query[:n].detach().float().cpu(),
-                "output": output[:n].detach().float().cpu(),
-                "block_row": row,
-                "seq_len": seq_len,
-                "keys": keys.float().cpu(),  # as the kernel sees them (hole already skipped)
-                "values": values.float().cpu(),
-                "metadata": type(metadata).__name__,
-            }
-        )
-
-
 # ------------------------------------------------------------------------------- checks
 def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     """Policy ``none``: store run and reload run against engines without the connector.
@@ -241,7 +188,7 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     with engine(model, {"policy": "none", "chunk_size": spec.chunk}) as llm:
         connector = worker_connector()
         half = connector.worker_half
-        recorder = Recorder(half, list(half.layers))
+        recorder = PrefillRecorder(list(half.layers), half)
         half.observers.append(recorder)
         first, first_lp = greedy(llm, ids, spec.max_tokens)
         half.drain()
@@ -304,43 +251,7 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     }
 
 
-def reference(
-    call: dict[str, Any],
-    prefix: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    tail_k: torch.Tensor,
-    tail_v: torch.Tensor,
-    n_prefix: int,
-    total: int,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(engine output, reference output) as ``(1, Hq, tail, D)`` float32.
-
-    ``prefix[h]`` = (keys, values, positions) of head h's prefix tokens to attend to.
-    """
-    from lmcompact.attention.reference import ragged_attention
-    from lmcompact.layout.ragged import RaggedLayer
-
-    tail = total - n_prefix
-    heads = len(prefix)
-    keys, values, positions, counts = [], [], [], []
-    for h in range(heads):
-        pk, pv, pp = prefix[h]
-        keys.append(torch.cat([pk, tail_k[h]]))
-        values.append(torch.cat([pv, tail_v[h]]))
-        positions.append(torch.cat([pp, torch.arange(n_prefix, total)]))
-        counts.append(keys[-1].shape[0])
-    cu = torch.zeros(heads + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(torch.tensor(counts), 0)
-    ragged = RaggedLayer(torch.cat(keys), torch.cat(values), torch.cat(positions), cu, heads)
-    query = call["query"].view(tail, -1, head_dim).permute(1, 0, 2).unsqueeze(0)
-    expected, _ = ragged_attention(query, ragged, torch.arange(n_prefix, total)[None])
-    got = call["output"].view(tail, -1, head_dim).permute(1, 0, 2).unsqueeze(0)
-    return got, expected
-
-
 def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
-    from lmcompact.store import ChunkKeyer
-
     ids = prompt_ids(spec.prompt_len, seed=3)
     n_chunks = spec.prompt_len // spec.chunk
     n_prefix = n_chunks * spec.chunk
@@ -350,15 +261,14 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
         connector = worker_connector()
         half = connector.worker_half
         names = [list(half.layers)[i] for i in spec.check_layers]
-        recorder = Recorder(half, names)
+        recorder = PrefillRecorder(names, half)
         half.observers.append(recorder)
         greedy(llm, ids, 2)
         half.drain()
         saved = dict(half.stats)
         greedy(llm, ids, 2)
         stats = dict(half.stats)
-        keyer = ChunkKeyer(connector.namespace, spec.chunk)
-        chunks = connector.store.get_many(keyer.keys(ids))
+        chunks = stored_chunks(connector, ids, spec.chunk)
         kept = half.kept
         head_dim = half.facts.head_dim
         heads = half.facts.num_kv_heads
@@ -377,16 +287,7 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
         # keys the kernel read for the reloaded request: kept prefix packed, then the tail
         tail_k = call["keys"][:, n_chunks * kept :]
         tail_v = call["values"][:, n_chunks * kept :]
-        compacted = []
-        for h in range(heads):
-            parts = [c.head(index, h) for c in chunks]
-            compacted.append(
-                (
-                    torch.cat([p[0].float() for p in parts]),
-                    torch.cat([p[1].float() for p in parts]),
-                    torch.cat([p[2].long() + i * spec.chunk for i, p in enumerate(parts)]),
-                )
-            )
+        compacted = compacted_prefix(chunks, index, heads, spec.chunk)
         # packed pages hold exactly the stored kept rows
         packed_equal = all(
             torch.equal(call["keys"][h, : n_chunks * kept], compacted[h][0])
@@ -401,10 +302,10 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
             )
             for h in range(heads)
         ]
-        got, expected = reference(
+        got, expected = attention_vs_reference(
             call, compacted, tail_k, tail_v, n_prefix, spec.prompt_len, head_dim
         )
-        _, expected_full = reference(
+        _, expected_full = attention_vs_reference(
             call, full, tail_k, tail_v, n_prefix, spec.prompt_len, head_dim
         )
         diff = (got - expected).abs()
@@ -549,17 +450,8 @@ def main() -> int:
             result["seconds"] = round(time.time() - t0, 1)
             results.append(result)
             print(summary_line(result), flush=True)
-    passed = all(r.get("pass") for r in results) and bool(results)
-    report = {
-        "environment": env,
-        "passed": passed,
-        "results": results,
-        "seconds": round(time.time() - began, 1),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-    }
-    if out_json:
-        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_json).write_text(json.dumps(report, indent=1))
+    report = write_report(env, results, began, out_json)
+    passed = report["passed"]
     print("=" * 30, "results", "=" * 30)
     for result in results:
         print(summary_line(result))

@@ -5,13 +5,22 @@ Sets the in-process vLLM environment the device machine needs, puts the reposito
 the pure-Python msgpack and the cp312 xxhash wheel unpacked there), and records the software
 a result came from. A script may set any of these variables itself before importing this
 module; ``setdefault`` keeps its value.
+
+The scripts run engines through the project's one builder (:mod:`connectors.offline`) and
+look inside them with the integration tests' harness (``tests/integration/vllm*/``); this
+module adds only what the device needs on top: dtype and block size per device, the
+memory-connector engine of the memory checks, and the JSON report.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import sys
+import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +63,68 @@ def environment() -> dict[str, Any]:
     if on_cuda():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
+
+
+def dtype() -> str:
+    """Model dtype of the checks: bf16 on CUDA, float32 on the CPU (exact reloads)."""
+    return "bfloat16" if on_cuda() else "float32"
+
+
+def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractContextManager[Any]:
+    """``LMCompactMemoryConnector`` engine of the memory checks (``--model``,
+    ``--load-format``, ``--prompt-tokens``, ``--new-tokens``, ``--requests``,
+    ``--gpu-memory-utilization``), built by :func:`connectors.offline.engine`."""
+    from connectors.offline import engine
+
+    options: dict[str, Any] = {}
+    if on_cuda():
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return engine(
+        args.model,
+        extra,
+        connector="LMCompactMemoryConnector",
+        tokenizer=args.model,
+        load_format=args.load_format,
+        dtype=dtype(),
+        block_size=block_size(),
+        max_model_len=args.prompt_tokens + args.new_tokens + 64,
+        max_num_seqs=max(4, args.requests),
+        max_num_batched_tokens=max(2048, args.prompt_tokens),
+        **options,
+    )
+
+
+def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
+    """``--requests`` random prompts of ``--prompt-tokens`` minus 37 per request (different
+    lengths, different tails) over ``--vocab``."""
+    import random
+
+    out = {}
+    for i in range(args.requests):
+        rng = random.Random(100 + i)
+        length = args.prompt_tokens - 37 * i
+        out[f"r{i}"] = [rng.randrange(3, args.vocab) for _ in range(length)]
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64."""
+    denom = float(want.double().norm())
+    return float((got.double() - want.double()).norm()) / max(denom, 1e-30)
+
+
+def write_report(
+    env: dict[str, Any], results: list[dict[str, Any]], began: float, path: str | None
+) -> dict[str, Any]:
+    """The report every script writes (``--json``): environment, verdict, results, time."""
+    report = {
+        "environment": env,
+        "passed": bool(results) and all(r.get("pass") for r in results),
+        "results": results,
+        "seconds": round(time.time() - began, 1),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1, default=str))
+    return report

@@ -28,30 +28,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from device_env import environment  # noqa: E402
-from perhead_check import (  # noqa: E402  (sets the vLLM environment and sys.path first)
+import torch
+from device_env import (
+    ROOT,
     block_size,
-    engine,
-    engine_ids,
-    held_blocks,
+    environment,
+    memory_engine,
     on_cuda,
     prompts,
     rel_err,
-    run_requests,
-    scheduler,
-    worker_connector,
+    write_report,
 )
+
+from connectors.offline import worker_connector
+from tests.integration.vllm_memory.harness import engine_request_ids, held_blocks, run, scheduler
 
 
 def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -74,7 +71,7 @@ def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
     k, s = kept_region * bs, bs  # one sink block
     mass_errors: list[float] = []
     merge_checks: list[dict[str, Any]] = []
-    with engine(args, extra) as llm:
+    with memory_engine(args, extra) as llm:
         connector = worker_connector()
         heavy = connector.heavy
         worker = connector.worker_half
@@ -100,8 +97,8 @@ def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
         held: dict[str, int] = {}
         snapshots: dict[str, dict[str, Any]] = {}
 
-        def watch(step: int) -> None:
-            for rid, eid in engine_ids(llm).items():
+        def watch(step: int, outputs: list[Any]) -> None:
+            for rid, eid in engine_request_ids(llm).items():
                 held[rid] = max(held.get(rid, 0), held_blocks(llm, eid))
                 hole = memory.planner.holes.get(eid)
                 snap = snapshots.pop(eid, None)
@@ -131,7 +128,7 @@ def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
 
         began = time.time()
-        tokens = run_requests(llm, ids, args.new_tokens, watch)
+        tokens = run(llm, ids, args.new_tokens, watch)
         wall = time.time() - began
         final = audit_pool(manager)
         end_free = int(manager.block_pool.get_num_free_blocks())
@@ -208,16 +205,7 @@ def main() -> int:
         tag = "PASS" if result.get("pass") else "FAIL"
         body = {k: v for k, v in result.items() if k not in ("check", "pass", "error")}
         print(f"{tag} {result['check']}: {json.dumps(body, default=str)}", flush=True)
-    report = {
-        "environment": env,
-        "passed": passed,
-        "results": results,
-        "seconds": round(time.time() - began, 1),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-    }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    write_report(env, results, began, args.json)
     print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED", flush=True)
     return 0 if passed else 1
 

@@ -30,211 +30,35 @@ script itself, e.g. ``--prompt-tokens 600 --new-tokens 4 --requests 2``. Prints 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from device_env import ROOT, block_size, environment, on_cuda
+from device_env import (
+    ROOT,
+    block_size,
+    environment,
+    memory_engine,
+    on_cuda,
+    prompts,
+    rel_err,
+    write_report,
+)
 
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    denom = float(want.double().norm())
-    return float((got.double() - want.double()).norm()) / max(denom, 1e-30)
-
-
-# ------------------------------------------------------------------------------- engine
-@contextmanager
-def engine(args: argparse.Namespace, extra: dict[str, Any]) -> Iterator[Any]:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs: dict[str, Any] = {}
-    if on_cuda():
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    llm = LLM(
-        model=args.model,
-        tokenizer=args.model,
-        load_format=args.load_format,
-        dtype="bfloat16" if on_cuda() else "float32",
-        block_size=block_size(),
-        max_model_len=args.prompt_tokens + args.new_tokens + 64,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_seqs=max(4, args.requests),
-        max_num_batched_tokens=max(2048, args.prompt_tokens),
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-        **kwargs,
-    )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        if on_cuda():
-            torch.cuda.empty_cache()
-
-
-def scheduler(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
-def worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group()
-
-
-def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
-    import random
-
-    out = {}
-    for i in range(args.requests):
-        rng = random.Random(100 + i)
-        length = args.prompt_tokens - 37 * i  # different lengths, different tails
-        out[f"r{i}"] = [rng.randrange(3, args.vocab) for _ in range(length)]
-    return out
-
-
-def held_blocks(llm: Any, req_id: str) -> int:
-    manager = scheduler(llm).kv_cache_manager
-    rows = manager.coordinator.single_type_managers[0].req_to_blocks
-    return sum(1 for block in rows.get(req_id, []) if not block.is_null)
-
-
-def run_requests(
-    llm: Any, ids: dict[str, list[int]], new_tokens: int, on_step: Any
-) -> dict[str, list[int]]:
-    from vllm import SamplingParams
-
-    engine_ = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for rid, prompt in ids.items():
-        engine_.add_request(rid, {"prompt_token_ids": prompt}, params)
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine_.has_unfinished_requests():
-        for out in engine_.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-        on_step(step)
-        step += 1
-    return tokens
-
-
-def engine_ids(llm: Any) -> dict[str, str]:
-    """External request id -> the scheduler's id (vLLM may add a suffix)."""
-    out = {}
-    for rid in scheduler(llm).requests:
-        out[rid.rsplit("-", 1)[0] if "-" in rid else rid] = rid
-    return out
-
-
-# ------------------------------------------------------------------------------ records
-@dataclass
-class Call:
-    layer: int
-    req_id: str
-    queries: torch.Tensor
-    vllm_out: torch.Tensor
-    out: torch.Tensor
-    pages: torch.Tensor
-    seq_len: int
-    counts: torch.Tensor
-    reserved: int
-
-
-class AttentionRecorder:
-    """Observers around the connector's recompute (vLLM's rows before, the final rows after)."""
-
-    def __init__(self, connector: Any, layers: list[int], limit: int) -> None:
-        self.worker = connector.worker_half
-        self.perhead = connector.perhead
-        names = list(self.worker.layers)
-        self.names = {names[i]: i for i in layers}
-        self.pending: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.calls: list[Call] = []
-        self.limit = limit
-
-    def rows(self, metadata: Any) -> list[tuple[int, str]]:
-        n = int(metadata.query_start_loc.numel()) - 1
-        firsts = metadata.block_table[:n, 0].tolist()
-        by_first = {e.first_block: r for r, e in self.perhead.entries.items()}
-        return [(row, by_first[f]) for row, f in enumerate(firsts) if f in by_first]
-
-    def before(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name not in self.names or len(self.calls) >= self.limit:
-            return
-        starts = metadata.query_start_loc.tolist()
-        for row, rid in self.rows(metadata):
-            span = slice(starts[row], starts[row + 1])
-            self.pending[(name, rid)] = (query[span].clone(), output[span].clone())
-
-    def after(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name not in self.names or len(self.calls) >= self.limit:
-            return
-        starts = metadata.query_start_loc.tolist()
-        d = self.worker.facts.head_dim
-        kv = self.worker.kv_caches[name]
-        bs = self.worker.facts.block_size
-        for row, rid in self.rows(metadata):
-            if (name, rid) not in self.pending:
-                continue
-            q, raw = self.pending.pop((name, rid))
-            entry = self.perhead.entries[rid]
-            seq_len = int(metadata.seq_lens[row])
-            blocks = metadata.block_table[row, : -(-seq_len // bs)].long()
-            q_len = q.shape[0]
-            self.calls.append(
-                Call(
-                    self.names[name],
-                    rid,
-                    q.view(q_len, -1, d),
-                    raw.view(q_len, -1, d),
-                    output[starts[row] : starts[row + 1]].clone().view(q_len, -1, d),
-                    kv[blocks].clone(),
-                    seq_len,
-                    entry.counts[self.names[name]].clone(),
-                    entry.reserved,
-                )
-            )
-
-
-def dense_reference(call: Call, layout: Any, scale: float) -> torch.Tensor:
-    """Each kv head attends to its own ``count`` packed keys plus the causal tail (float64)."""
-    n_blocks = call.pages.shape[0]
-    keys, values = layout.read(call.pages, list(range(n_blocks)), 0, call.seq_len)
-    q_len, hq, _ = call.queries.shape
-    hkv = keys.shape[0]
-    group = hq // hkv
-    out = torch.zeros(call.queries.shape, dtype=torch.float64, device=call.queries.device)
-    for h in range(hkv):
-        for i in range(q_len):
-            last = call.seq_len - q_len + i + 1
-            index = torch.cat(
-                [torch.arange(int(call.counts[h])), torch.arange(call.reserved, last)]
-            ).to(keys.device)
-            k, v = keys[h, index].double(), values[h, index].double()
-            q = call.queries[i, h * group : (h + 1) * group].double()
-            out[i, h * group : (h + 1) * group] = torch.softmax(q @ k.T * scale, -1) @ v
-    return out
+from connectors.offline import worker_connector
+from tests.integration.vllm_memory.harness import (
+    engine_request_ids,
+    held_blocks,
+    run,
+    scheduler,
+)
+from tests.integration.vllm_memory.perhead_probe import PerHeadRecorder, dense_reference
 
 
 class WindowRecorder:
@@ -305,14 +129,16 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
     ids = prompts(args)
     layers = [int(x) for x in args.layers.split(",")]
     bs = block_size()
-    with WindowRecorder(layers, limit=2 * len(layers)) as windows, engine(args, extra) as llm:
+    with (
+        WindowRecorder(layers, limit=2 * len(layers)) as windows,
+        memory_engine(args, extra) as llm,
+    ):
         connector = worker_connector()
         windows.num_layers = len(connector.worker_half.layers)
         layers = [i for i in layers if i < windows.num_layers]
         windows.layers = set(layers)
-        recorder = AttentionRecorder(connector, layers, limit=args.max_calls)
-        connector.worker_half.observers.insert(0, recorder.before)
-        connector.worker_half.observers.append(recorder.after)
+        recorder = PerHeadRecorder(connector, layers, limit=args.max_calls)
+        recorder.install()
         sched = scheduler(llm)
         memory = sched.connector.memory_scheduler
         manager = sched.kv_cache_manager
@@ -321,11 +147,11 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         counts: dict[str, torch.Tensor] = {}
         audits: list[str] = []
 
-        def watch(step: int) -> None:
+        def watch(step: int, outputs: list[Any]) -> None:
             audit = audit_pool(manager)
             if not audit.ok:
                 audits.append(f"step {step}: {audit}")
-            for rid, eid in engine_ids(llm).items():
+            for rid, eid in engine_request_ids(llm).items():
                 hole = memory.planner.holes.get(eid)
                 entry = connector.perhead.entries.get(eid)
                 if hole is not None and entry is not None:
@@ -333,7 +159,7 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                     held[rid].append((held_blocks(llm, eid), hole.start, hole.length, step))
 
         began = time.time()
-        tokens = run_requests(llm, ids, args.new_tokens, watch)
+        tokens = run(llm, ids, args.new_tokens, watch)
         wall = time.time() - began
         end_free = int(manager.block_pool.get_num_free_blocks())
         final = audit_pool(manager)
@@ -470,12 +296,12 @@ def check_uniform(args: argparse.Namespace) -> dict[str, Any]:
         "memory": {"prefill": "pack"},
     }
     ids = prompts(args)
-    with engine(args, extra) as llm:
+    with memory_engine(args, extra) as llm:
         connector = worker_connector()
         sched = scheduler(llm)
         manager = sched.kv_cache_manager
         start_free = int(manager.block_pool.get_num_free_blocks())
-        tokens = run_requests(llm, ids, args.new_tokens, lambda step: None)
+        tokens = run(llm, ids, args.new_tokens)
         final = audit_pool(manager)
         result = {
             "check": "uniform_snapkv",
@@ -568,17 +394,8 @@ def main() -> int:
             result["seconds"] = round(time.time() - t0, 1)
             results.append(result)
             print(summary_line(result), flush=True)
-    passed = bool(results) and all(r.get("pass") for r in results)
-    report = {
-        "environment": env,
-        "passed": passed,
-        "results": results,
-        "seconds": round(time.time() - began, 1),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-    }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    report = write_report(env, results, began, args.json)
+    passed = report["passed"]
     print("=" * 30, "results", "=" * 30)
     for result in results:
         print(summary_line(result))

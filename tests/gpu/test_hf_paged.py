@@ -1,7 +1,8 @@
 """PagedCache on CUDA against DynamicCache (tiny random Llama, no downloads; needs a GPU).
 
-Float K/V decode goes through the Triton paged kernel; int8 K/V, or any cache
-under ``force_reference()``, through the torch shared-block path. Decode is
+Decode goes through the fixed-grid Triton kernel (float and int8 K/V), or,
+under ``force_reference()``, through the torch shared-block path; with
+``graphed_decode`` the steps replay a CUDA graph. Decode is
 compared by *teacher-forced* logits (same tokens and beam reorders fed to both
 caches) with a tolerance, and by ``generate`` tokens in float32 (the kernel
 takes IEEE float32 dot products unless TF32 is switched on in torch), on a
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from lmcompact.hf.attention import enable_lmcompact_attention  # noqa: E402
 from lmcompact.hf.paged import PagedCache, blocks_needed  # noqa: E402
+from lmcompact.hf.paged.graph import graphed_decode  # noqa: E402
 from lmcompact.kernels.dispatch import force_reference, use_kernels  # noqa: E402
 from lmcompact.policies import make_policy  # noqa: E402
 
@@ -107,29 +109,72 @@ def test_kernel_decode_matches_dynamic_cache(
         model.to(torch.float32)
 
 
+def _generate(model: Any, prompt: torch.Tensor, beams: int, cache: Any) -> Any:
+    with torch.inference_mode():
+        return model.generate(
+            prompt,
+            num_beams=beams,
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            past_key_values=cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("beams", [1, 4])
 def test_generate_tokens_identical_to_dynamic_cache(
-    model: Any, prompt: torch.Tensor, beams: int
+    model: Any, prompt: torch.Tensor, beams: int, graphs: bool
 ) -> None:
-    def generate(cache: Any) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.generate(
-                prompt,
-                num_beams=beams,
-                do_sample=False,
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
-                past_key_values=cache,
-            )
-
     model.set_attn_implementation("sdpa")
-    want = generate(transformers.DynamicCache(config=model.config))
+    want = _generate(model, prompt, beams, transformers.DynamicCache(config=model.config))
     enable_lmcompact_attention(model)
     cache = paged(model, beams)
-    got = generate(cache)
-    assert torch.equal(got, want)
+    if graphs:
+        with graphed_decode(model) as g:
+            got = _generate(model, prompt, beams, cache)
+        assert (g.captures, g.replays) == (1, NEW - 2)  # prefill and the captured step eager
+    else:
+        got = _generate(model, prompt, beams, cache)
+    assert torch.equal(got.sequences, want.sequences)
     cache.check_accounting()
     _reset(cache)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "policy"), [("auto", None), ("int8", None), ("auto", "snapkv"), ("int8", "snapkv")]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_matches_eager_decode(
+    model: Any, prompt: torch.Tensor, kv_dtype: str, policy: str | None, dtype: torch.dtype
+) -> None:
+    """Replayed steps compute what the eager steps compute (same kernels, same buffers),
+    also after a compaction (per-head kept lengths and the hole in the step buffers)."""
+    model.to(dtype)
+    try:
+        enable_lmcompact_attention(model)
+        runs = []
+        for graphs in (False, True):
+            compact = make_policy(policy, budget=0.5) if policy else None
+            cache = paged(model, BEAMS, kv_dtype=kv_dtype, policy=compact)
+            if graphs:
+                with graphed_decode(model) as g:
+                    runs.append(_generate(model, prompt, BEAMS, cache))
+                # the step after a compaction runs eagerly (the compaction is host work)
+                assert g.replays == NEW - (3 if policy else 2) and g.failure is None
+            else:
+                runs.append(_generate(model, prompt, BEAMS, cache))
+            table = cache.paged_layers[0].table
+            assert table is not None and (table.tail_start > 0) == (policy is not None)
+            cache.check_accounting()
+            _reset(cache)
+        eager, graphed = runs
+        assert torch.equal(graphed.sequences, eager.sequences)
+        assert rel_err(torch.stack(graphed.logits), torch.stack(eager.logits)) < 1e-5
+    finally:
+        model.to(torch.float32)
 
 
 def test_int8_decode_close_to_float(model: Any, prompt: torch.Tensor) -> None:

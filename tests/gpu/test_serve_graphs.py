@@ -2,23 +2,24 @@
 
 A small Llama with transformers' initialisation (std 0.02) is saved on the device and
 loaded with its real weights (vLLM's ``load_format="dummy"`` gives near-zero weights
-whose greedy tokens barely depend on the prompt). With CUDA graphs on (vLLM's default;
-the connector asks for piecewise graphs):
+whose greedy tokens barely depend on the prompt). With CUDA graphs on (vLLM's default,
+full decode graphs: the connector cuts holes in the runner's input buffers):
 
 * policy ``none`` through ``LMCompactMemoryConnector`` gives the baseline's tokens;
 * after a SnapKV pack on the GPU, the next token's log-probabilities match a dense float32
   reference (transformers' weights, a hand-written decode step) that attends, per
   (layer, kv head), to exactly the tokens the pack kept plus the unpacked tail; and they
-  are closer to it than to the same reference over the whole prompt.
+  are closer to it than to the same reference over the whole prompt, with the decode steps
+  replayed as full graphs over tables the connector cut;
+* several packed requests decoding together give the same tokens with full graphs as with
+  eager execution.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +66,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@contextmanager
-def engine(model: Path, extra: dict[str, Any] | None) -> Iterator[Any]:
+def engine(
+    model: Path, extra: dict[str, Any] | None, **overrides: Any
+) -> AbstractContextManager[Any]:
+    """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``) and vLLM's own token
+    budget per step, through the one engine builder; ``overrides`` are ``LLM`` keywords."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-    llm = LLM(
-        model=str(model),
+    return offline_engine(
+        str(model),
+        extra,
+        connector="LMCompactMemoryConnector",
         dtype="bfloat16",
         block_size=BS,
         max_model_len=2048,
         gpu_memory_utilization=0.3,
-        enable_prefix_caching=False,
         skip_tokenizer_init=True,
-        seed=0,
-        **kwargs,
+        engine={"enforce_eager": False, "max_num_batched_tokens": None, **overrides},
     )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def prompt(seed: int) -> list[int]:
@@ -170,7 +158,17 @@ def dense_next_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
-def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path) -> None:
+GRAPH_MODES = {
+    "full": {},  # vLLM's default: FULL_AND_PIECEWISE
+    "piecewise": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    "eager": {"enforce_eager": True},
+}
+
+
+@pytest.mark.parametrize("graphs", sorted(GRAPH_MODES))
+def test_compacted_logits_match_dense_reference_over_kept_tokens(
+    model_dir: Path, graphs: str
+) -> None:
     from transformers import LlamaForCausalLM
 
     from connectors.memory.device_pack import DevicePacker
@@ -194,12 +192,18 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path
     }
     DevicePacker.pack = pack  # type: ignore[method-assign]
     try:
-        with engine(model_dir, extra) as llm:
+        with engine(model_dir, extra, **GRAPH_MODES[graphs]) as llm:
             warm = len(recorded)  # start-up warm-up packs
             out = generate(llm, ids, 3, logprobs=20)
+            mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+            full = mode.has_full_cudagraphs()
+            assert full == (graphs == "full") == _worker_half().full_graphs
+            assert _worker_half().cut_at_build
+            cut_rows = _worker_half().stats["rows_cut_in_buffers"]
     finally:
         DevicePacker.pack = original  # type: ignore[method-assign]
     assert len(recorded) == warm + 1, "the request was not packed on the GPU"
+    assert cut_rows >= 2, "decode steps after the pack did not cut the hole in the buffers"
     index = recorded[-1]  # (L, Hkv, K) over [0, 992)
     assert index.shape == (LAYERS, KV_HEADS, 8 * BS)
     tail = torch.arange(31 * BS, PROMPT)
@@ -217,7 +221,38 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(model_dir: Path
     got = torch.tensor([lp.logprob for lp in entry.values()], device="cuda")
     err_kept = float((got - ref_kept[tokens]).abs().max())
     err_full = float((got - ref_full[tokens]).abs().max())
-    print(f"max |logprob - ref|: kept {err_kept:.4f}, full prompt {err_full:.4f}")
+    print(f"{graphs}: max |logprob - ref|: kept {err_kept:.4f}, full prompt {err_full:.4f}")
     assert err_kept < 0.1
     assert err_kept < err_full
     assert int(out.token_ids[1]) == int(ref_kept.argmax())
+
+
+def _worker_half() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector: Any = get_kv_transfer_group()
+    return connector.worker_half
+
+
+def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
+    from vllm import SamplingParams
+
+    prompts = [prompt(10 + i)[: PROMPT - 97 * i] for i in range(4)]  # 4 lengths, 4 holes
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    extra = {
+        "policy": "snapkv",
+        "budget": 0.25,
+        "save": False,
+        "load": False,
+        "window": 32,
+        "memory": {"prefill": "pack"},
+    }
+    runs: dict[str, list[list[int]]] = {}
+    for name, overrides in (("graphs", {}), ("eager", {"enforce_eager": True})):
+        with engine(model_dir, extra, **overrides) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs[name] = [list(o.outputs[0].token_ids) for o in outs]
+            stats = dict(_worker_half().stats)
+        print(name, runs[name], {k: stats[k] for k in ("rows_cut_in_buffers",)})
+        assert stats["rows_cut_in_buffers"] >= 4 * 10
+    assert runs["graphs"] == runs["eager"]

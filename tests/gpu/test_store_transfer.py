@@ -154,9 +154,12 @@ def test_bench_store_device_cuda(tmp_path):
 def test_to_host_does_not_stall_the_current_stream():
     copier = StreamCopier("cuda")
     pages = torch.empty(4, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    # made before the sleep: a host-to-device copy from pageable memory waits for the stream
+    rows = torch.tensor([3, 1], device="cuda")
+    torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     pages.fill_(1.5)  # written after the sleep, on the current stream
-    gathered = pages[torch.tensor([3, 1], device="cuda")]
+    gathered = pages[rows]
     start = time.perf_counter()
     host, pending = copier.to_host([gathered])
     assert time.perf_counter() - start < 0.05

@@ -7,7 +7,9 @@ Importing this package imports transformers. Modules:
 * ``table``       per-layer block tables, copy-on-write, beam reorder
 * ``attention``   torch attention over a block table (shared-block decode path)
 * ``compaction``  plan with a policy at the end of prefill, pack, free blocks
+* ``step``        one decode step's host work for all layers, one upload (``DecodeState``)
 * ``layer`` / ``cache``  the transformers ``Cache`` (``PagedCache``)
+* ``graph``       CUDA graphs of a model's decode forward (``graphed_decode``)
 """
 
 from lmcompact.hf.paged.blocks import BlockPool, BlockPoolExhausted

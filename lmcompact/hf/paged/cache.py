@@ -24,6 +24,12 @@ reference counts move; no K/V is copied, except the partly filled last block
 when two beams that share it next write (copy-on-write). ``kv_dtype="int8"``
 stores K/V as int8 with per-(head, token) scales; ``policy`` compacts the
 prompt at the end of prefill with any lmcompact policy, freeing whole blocks.
+
+Each decode step's host work (slots, copy-on-write, tables and lengths) is
+done once for all layers at layer 0 (:meth:`PagedCache.prepare_decode_step`,
+:mod:`lmcompact.hf.paged.step`); the layers then only write K/V and attend
+from device buffers, which is what lets :mod:`lmcompact.hf.paged.graph`
+replay the decode forward as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from transformers.cache_utils import Cache
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.compaction import PrefillObserver, compact_layers
 from lmcompact.hf.paged.layer import PagedLayer, SharedPool
-from lmcompact.hf.paged.storage import KV_DTYPES, StorageSpec
+from lmcompact.hf.paged.step import WIDTH_HEADROOM, DecodeState, append_token
+from lmcompact.hf.paged.storage import KV_DTYPES, KVStorage, StorageSpec
 from lmcompact.hf.paged.table import BlockTable
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionPolicy
@@ -108,10 +115,88 @@ class PagedCache(Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compact first if a prefill just ended, then write through the layer."""
-        if layer_idx == 0 and self.observer is not None and self.observer.pending:
-            self.compact_now()
+        """Compact first if a prefill just ended, then write through the layer.
+
+        At layer 0 of a decode step (one token per row into a cache that holds
+        the rows' prompts) the step is prepared for every layer at once
+        (:meth:`prepare_decode_step`), unless a caller already did.
+        """
+        if layer_idx == 0:
+            if self.observer is not None and self.observer.pending:
+                self.compact_now()
+            first = self.paged_layers[0]
+            if (
+                key_states.shape[2] == 1
+                and not first.step_ready
+                and self.decoding(key_states.shape[0])
+            ):
+                self.prepare_decode_step()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def decoding(self, batch: int) -> bool:
+        """Whether the next one-token forward of ``batch`` rows is a decode step of this cache.
+
+        True when every layer holds ``batch`` rows of tokens and no compaction waits.
+        """
+        if self.observer is not None and self.observer.pending:
+            return False
+        for layer in self.paged_layers:
+            table = layer.table
+            if table is None or table.num_slots == 0 or table.batch_size != batch:
+                return False
+        return self.shared.storage is not None
+
+    def prepare_decode_step(self) -> DecodeState:
+        """Host work of one decode step for all layers: room for a token, then one upload.
+
+        Every layer's rows get one slot (copy-on-write / new blocks, one pool
+        call for all layers, see :func:`~lmcompact.hf.paged.step.append_token`),
+        ``seen`` moves on, and the step's device buffers are refreshed. The
+        layers' next ``update`` then only writes K/V. Call it before a decode
+        forward that runs no Python (a CUDA graph replay); the cache calls it
+        itself otherwise.
+        """
+        layers = self.paged_layers
+        tables = [layer.table for layer in layers]
+        storage = self.shared.storage
+        if storage is None or any(t is None for t in tables):
+            raise RuntimeError("prepare_decode_step needs a cache that holds a prefill")
+        ready = [t for t in tables if t is not None]
+        append_token(ready, self.pool, storage)
+        for layer in layers:
+            layer.seen += 1
+        self.shared.step = state = self._state_for(ready, storage)
+        state.fill(ready)
+        self.mark_step_prepared()
+        return state
+
+    def mark_step_prepared(self) -> None:
+        """Let every layer's next ``update`` write into the prepared step (graph capture)."""
+        for layer in self.paged_layers:
+            layer.step_ready = True
+
+    def clear_step_flags(self) -> None:
+        """Forget a prepared step no forward consumed (after a failed graph capture)."""
+        for layer in self.paged_layers:
+            layer.step_ready = False
+            layer.clear_attend_flags()
+
+    def _state_for(self, tables: list[BlockTable], storage: KVStorage) -> DecodeState:
+        """The step buffers, rebuilt when the batch or table width outgrows them."""
+        columns = max(t.blocks.shape[1] for t in tables)
+        batch, heads = tables[0].batch_size, tables[0].num_kv_heads
+        state = self.shared.step
+        if state is not None and state.fits(len(tables), batch, heads, columns, storage.device):
+            return state
+        bs = self.shared.block_size
+        width = -(-(max(t.num_slots for t in tables) + WIDTH_HEADROOM) // bs)
+        visible = max(int(t.kept.max()) + t.num_slots - t.tail_start for t in tables)
+        splits = 1
+        if storage.device.type == "cuda":
+            from lmcompact.kernels.paged_attention import decode_splits
+
+            splits = decode_splits(batch, heads, self.shared.head_dim, visible, storage.device)
+        return DecodeState.build(len(tables), batch, heads, width, storage.device, splits)
 
     def compact_now(self) -> KeepPlan:
         """Plan and apply the policy to the prompt held now (normally automatic)."""

@@ -12,6 +12,12 @@ calls :meth:`PagedLayer.attend`, which reads the pool through the table::
                                              the Triton paged kernel (CUDA)
                       other:                 gathered_attention
 
+A decode step that the cache prepared for all layers at once
+(:mod:`lmcompact.hf.paged.step`) does no host work here: the token is written
+at the addresses in the step's device buffers and the CUDA kernel reads the
+tables and lengths from them (float or int8 K/V), so the layer's work can be
+captured in a CUDA graph.
+
 A prefill whose rows are bitwise identical (``generate`` repeats the prompt
 once per beam) is stored once and its blocks are shared by every row.
 """
@@ -28,6 +34,7 @@ from transformers.cache_utils import CacheLayerMixin
 from lmcompact.hf.attention import causal_sdpa, tag
 from lmcompact.hf.paged.attention import gathered_attention, shared_block_attention
 from lmcompact.hf.paged.blocks import BlockPool
+from lmcompact.hf.paged.step import DecodeState
 from lmcompact.hf.paged.storage import KVStorage, StorageSpec
 from lmcompact.hf.paged.table import BlockTable, allocate_cleared
 from lmcompact.layout.paged import PagedLengths
@@ -49,6 +56,7 @@ class SharedPool:
     kv_dtype: str
     storage: KVStorage | None = None
     prefill_observer: Any = field(default=None)
+    step: DecodeState | None = None
     _vectors: dict[tuple[str, int, int, torch.device], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False
     )
@@ -108,6 +116,8 @@ class PagedLayer(CacheLayerMixin):
         self.kept_positions: torch.Tensor | None = None
         self._fresh_prefill = False
         self._awaiting_attend = False
+        self.step_ready = False
+        self._step_attend = False
 
     # ------------------------------------------------------------ transformers
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -128,6 +138,8 @@ class PagedLayer(CacheLayerMixin):
                 "needs the model's attention set to 'lmcompact' "
                 "(lmcompact.hf.attention.enable_lmcompact_attention(model))"
             )
+        if self.step_ready:
+            return self._write_step(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         table, storage = self._state()
@@ -153,6 +165,27 @@ class PagedLayer(CacheLayerMixin):
         self._fresh_prefill = self.seen == 0
         self.seen += s
         self._awaiting_attend = True
+        return tag(key_states, self), value_states
+
+    def _write_step(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prepared decode step (table and ``seen`` already moved): write at the step's slot."""
+        step, storage = self.shared.step, self.shared.storage
+        assert step is not None and storage is not None
+        if key_states.shape[0] != step.batch or key_states.shape[2] != 1:
+            raise ValueError(
+                f"layer {self.layer_idx}: the prepared step is for {step.batch} rows x 1 token, "
+                f"got K/V {tuple(key_states.shape)}"
+            )
+        self.step_ready = False
+        storage.write(
+            step.write_block[self.layer_idx],
+            step.write_offset[self.layer_idx],
+            key_states[:, :, 0].transpose(0, 1),
+            value_states[:, :, 0].transpose(0, 1),
+        )
+        self._step_attend = self._awaiting_attend = True
         return tag(key_states, self), value_states
 
     def _write_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -198,6 +231,11 @@ class PagedLayer(CacheLayerMixin):
         """Attention output ``(B, S, Hq, D)`` for ``(B, Hq, S, D)`` queries of the last update."""
         self._awaiting_attend = False
         table, storage = self._state()
+        if self._step_attend:
+            self._step_attend = False
+            if _use_kernel(query, storage):
+                return _step_kernel_attention(query, self.shared, self.layer_idx, scaling)
+            return shared_block_attention(query, storage, table, scaling)
         if self._fresh_prefill:
             self._fresh_prefill = False
             observer = self.shared.prefill_observer
@@ -205,10 +243,14 @@ class PagedLayer(CacheLayerMixin):
                 observer.observe_prefill(self, query, key, scaling)
             return causal_sdpa(module, query, key, value, scaling, **kwargs)
         if query.shape[2] == 1:
-            if _use_kernel(query, storage):
+            if _use_kernel(query, storage) and not storage.spec.quantized:
                 return _kernel_attention(query, self.shared, table, scaling)
             return shared_block_attention(query, storage, table, scaling)
         return gathered_attention(query, storage, table, scaling)
+
+    def clear_attend_flags(self) -> None:
+        """Forget an update whose attention never ran (a failed graph capture)."""
+        self._awaiting_attend = self._step_attend = False
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -259,6 +301,7 @@ class PagedLayer(CacheLayerMixin):
         self.seen = 0
         self.kept_positions = None
         self._fresh_prefill = self._awaiting_attend = False
+        self.step_ready = self._step_attend = False
         self.is_initialized = False
 
     # ----------------------------------------------------------------- helpers
@@ -276,11 +319,42 @@ def _rows_identical(keys: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def _use_kernel(query: torch.Tensor, storage: KVStorage) -> bool:
-    if query.device.type != "cuda" or storage.spec.quantized:
+    """Whether decode goes to the Triton kernel (CUDA, kernels not forced off)."""
+    if query.device.type != "cuda":
         return False
     from lmcompact.kernels.dispatch import use_kernels
 
     return use_kernels(query.device)
+
+
+def _step_kernel_attention(
+    query: torch.Tensor, shared: SharedPool, layer_idx: int, scaling: float
+) -> torch.Tensor:
+    """Decode of a prepared step, fixed-grid kernel: ``(B, Hq, 1, D)`` -> ``(B, 1, Hq, D)``.
+
+    Every input is a device buffer of the step (or the pool): no host value
+    that changes between steps reaches the launch.
+    """
+    from lmcompact.kernels.paged_attention import paged_decode_attention
+
+    step, storage = shared.step, shared.storage
+    assert step is not None and storage is not None
+    b, hq, _, d = query.shape
+    key_pool, value_pool = storage.paged_views()
+    scales = storage.paged_scale_views()
+    out = paged_decode_attention(
+        query[:, :, 0],
+        key_pool,
+        value_pool,
+        step.tables[layer_idx],
+        step.cu_seqlens_q,
+        step.lengths(layer_idx),
+        scale=scaling,
+        num_splits=step.num_splits,
+        key_scales=scales[0] if scales is not None else None,
+        value_scales=scales[1] if scales is not None else None,
+    )
+    return out.view(b, 1, hq, d)
 
 
 def _kernel_attention(

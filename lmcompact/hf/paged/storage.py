@@ -14,7 +14,9 @@ a view, no gather)::
 :meth:`KVStorage.paged_views` exposes the logical view
 ``(num_blocks, block_size, Hkv, D)`` of :mod:`lmcompact.layout.paged` (for the
 Triton kernels). Tensors are made with ``torch.empty``: on CPU, pages of blocks
-never written are not touched.
+never written are not touched. Host index tensors go to the device with
+``non_blocking=True``: from pageable memory the bytes are staged at once and
+the call returns without the stream sync of a blocking copy.
 """
 
 from __future__ import annotations
@@ -127,9 +129,9 @@ class KVStorage:
                 f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be "
                 f"(Hkv, n={blocks.shape[0]}, D)"
             )
-        blocks = blocks.to(self.device)
+        blocks = self._here(blocks)
         if isinstance(offsets, torch.Tensor):
-            offsets = offsets.to(self.device)
+            offsets = self._here(offsets)
         if self.key_scales is None or self.value_scales is None:
             self.keys[:, blocks, offsets] = keys.to(self.keys.dtype)
             self.values[:, blocks, offsets] = values.to(self.values.dtype)
@@ -144,13 +146,13 @@ class KVStorage:
     def clear(self, blocks: torch.Tensor) -> None:
         """Zero whole blocks (new blocks: attention multiplies unused slots by zero
         probabilities, so they must hold finite values, never ``torch.empty`` garbage)."""
-        blocks = blocks.to(self.device)
+        blocks = self._here(blocks)
         for tensor in self._tensors():
             tensor[:, blocks] = 0
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, upto: int) -> None:
         """Copy slots ``[0, upto)`` of blocks ``src`` into blocks ``dst`` (raw, exact)."""
-        src, dst = src.to(self.device), dst.to(self.device)
+        src, dst = self._here(src), self._here(dst)
         for tensor in self._tensors():
             if upto == self.spec.block_size:  # whole blocks: index ops beat slicing setitem
                 tensor.index_copy_(1, dst, tensor.index_select(1, src))
@@ -169,9 +171,9 @@ class KVStorage:
             heads: ``(n,)`` kv head of each move.
             src: ``(blocks, offsets)``, each ``(n,)``; dst: likewise.
         """
-        heads = heads.to(self.device)
-        sb, so = (t.to(self.device) for t in src)
-        db, do = (t.to(self.device) for t in dst)
+        heads = self._here(heads)
+        sb, so = (self._here(t) for t in src)
+        db, do = (self._here(t) for t in dst)
         for tensor in self._tensors():
             moved = tensor[heads, sb, so].clone()
             tensor[heads, db, do] = moved
@@ -181,7 +183,7 @@ class KVStorage:
         self, heads: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of single-head tokens, each ``(n, D)``."""
-        heads, blocks, offsets = (t.to(self.device) for t in (heads, blocks, offsets))
+        heads, blocks, offsets = (self._here(t) for t in (heads, blocks, offsets))
         k, v = self.keys[heads, blocks, offsets], self.values[heads, blocks, offsets]
         if self.key_scales is None or self.value_scales is None:
             return k, v
@@ -195,7 +197,7 @@ class KVStorage:
         self, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of tokens (all heads), each ``(Hkv, n, D)``."""
-        blocks, offsets = blocks.to(self.device), offsets.to(self.device)
+        blocks, offsets = self._here(blocks), self._here(offsets)
         k, v = self.keys[:, blocks, offsets], self.values[:, blocks, offsets]
         if self.key_scales is None or self.value_scales is None:
             return k, v
@@ -211,7 +213,7 @@ class KVStorage:
 
     def block_gather(self, ids: torch.Tensor) -> KVRun:
         """Blocks ``ids`` (any order) gathered into a run (a copy)."""
-        ids = ids.to(self.device)
+        ids = self._here(ids)
         return self._run(lambda t: t.index_select(1, ids))
 
     def _run(self, pick: Callable[[torch.Tensor], torch.Tensor]) -> KVRun:
@@ -227,6 +229,16 @@ class KVStorage:
     def paged_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(num_blocks, block_size, Hkv, D)`` views of K and V (no copy)."""
         return self.keys.permute(1, 2, 0, 3), self.values.permute(1, 2, 0, 3)
+
+    def paged_scale_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(num_blocks, block_size, Hkv)`` views of the int8 scales, None for float storage."""
+        if self.key_scales is None or self.value_scales is None:
+            return None
+        return self.key_scales.permute(1, 2, 0), self.value_scales.permute(1, 2, 0)
+
+    def _here(self, index: torch.Tensor) -> torch.Tensor:
+        """An index tensor on the storage's device (no stream sync: see the module docstring)."""
+        return index.to(self.device, non_blocking=True)
 
     def _tensors(self) -> list[torch.Tensor]:
         out = [self.keys, self.values]

@@ -246,6 +246,6 @@ def _mirrored(
     """A device copy of ``host``, reused while ``host`` is the same object on ``device``."""
     cached = cache.get(name)
     if cached is None or cached[0] is not host or cached[1] != device:
-        cached = (host, device, host.to(device=device, dtype=dtype).contiguous())
+        cached = (host, device, host.to(dtype=dtype).to(device, non_blocking=True).contiguous())
         cache[name] = cached
     return cached[2]

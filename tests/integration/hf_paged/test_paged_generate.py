@@ -81,6 +81,10 @@ def test_paged_outputs_equal_dynamic_cache(model: Any, prompt: torch.Tensor, bea
     assert torch.equal(got, expected)
     assert check.steps == NEW
     cache.check_accounting()
+    # decode steps went through the one-pass-per-step path (its buffers hold the last step)
+    step = cache.shared.step
+    assert step is not None and step.batch == beams
+    assert step.lengths(0).seq_len.tolist() == [prompt.shape[1] + NEW - 1] * beams
     if beams > 1:
         # the prompt is stored once for all beams: its blocks carry one reference per beam
         first = cache.paged_layers[0].table

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from connectors.offline import worker_connector  # imports no vLLM: the environment below wins
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["BLOCK_SIZE", "engine", "greedy", "transfer_config", "worker_connector"]
 
 BLOCK_SIZE = 32
 
@@ -34,39 +37,18 @@ def engine(
     max_model_len: int = 4096,
     prefix_caching: bool = False,
 ) -> Iterator[Any]:
-    """An ``LLM`` in float32 on the CPU; ``extra`` None runs without the connector."""
-    from vllm import LLM
+    """An ``LLM`` in float32 on the CPU (:func:`connectors.offline.engine`, the one engine
+    builder); ``extra`` None runs without the connector."""
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = transfer_config(extra)
-    llm = LLM(
-        model=model,
-        dtype="float32",
+    with offline_engine(
+        model,
+        extra,
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=prefix_caching,
-        max_num_batched_tokens=max_model_len,
-        seed=0,
-        **kwargs,
-    )
-    try:
+        prefix_caching=prefix_caching,
+    ) as llm:
         yield llm
-    finally:
-        connector = worker_connector()
-        if connector is not None:
-            connector.worker_half.drain()
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def worker_connector() -> Any:
-    """The in-process worker-side connector, or None."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
 def greedy(llm: Any, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:

@@ -26,22 +26,16 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from connectors.offline import transfer_config
+    from connectors.offline import build_llm
 
-    transfer = transfer_config(
-        json.loads(args.extra), "CheckedConnector", "tests.integration.vllm.checked_connector"
-    )
-    llm = LLM(
-        model=args.model,
-        dtype="float32",
-        block_size=32,
+    llm = build_llm(
+        args.model,
+        json.loads(args.extra),
+        connector="CheckedConnector",
+        module_path="tests.integration.vllm.checked_connector",
         max_model_len=2048,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        kv_transfer_config=transfer,
-        seed=0,
     )
     prompt = [int(t) for t in args.prompt.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -21,18 +21,14 @@ REPO = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
 import sys
-from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
+from vllm import SamplingParams
+
+from connectors.offline import build_llm
 
 if __name__ == "__main__":
     extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": 256, "async_save": False,
              "memory": {"prefill": "pack"}}
-    llm = LLM(model=sys.argv[1], dtype="float32", block_size=32, max_model_len=1024,
-              enforce_eager=True, enable_prefix_caching=False, seed=0,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="LMCompactMemoryConnector",
-                  kv_connector_module_path="connectors.memory.connector",
-                  kv_role="kv_both", kv_connector_extra_config=extra))
+    llm = build_llm(sys.argv[1], extra, connector="LMCompactMemoryConnector", max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(1000, 1600))}  # 600 tokens: 18 blocks + 24
     for _ in range(2):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from tests.integration.vllm.engine import BLOCK_SIZE, engine, greedy, worker_connector
+from tests.integration.vllm.probes import (
+    PrefillRecorder,
+    attention_vs_reference,
+    compacted_prefix,
+    stored_chunks,
+)
 from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 
 pytestmark = pytest.mark.integration
@@ -21,34 +25,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
-class AttentionRecorder:
-    """Observer of one layer: query, output and the block table each prefill step used."""
-
-    def __init__(self, layer_name: str) -> None:
-        self.layer_name = layer_name
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name != self.layer_name or metadata.num_actual_tokens < 2:
-            return
-        n = metadata.num_actual_tokens
-        self.calls.append(
-            {
-                "query": query[:n].clone(),
-                "output": output[:n].clone(),
-                "block_row": metadata.block_table[0].tolist(),
-                "seq_len": int(metadata.seq_lens[0]),
-            }
-        )
-
-
-def stored_chunks(connector: Any, prompt: list[int]) -> list[Any]:
-    from lmcompact.store import ChunkKeyer
-
-    keyer = ChunkKeyer(connector.namespace, connector.config.chunk_size)
-    return connector.store.get_many(keyer.keys(prompt))
-
-
 def test_layout_matches_transformers_kv(tiny_model: str) -> None:
     """K/V read from vLLM's CPU pages through the layout module equal HF's post-RoPE K/V."""
     from transformers import AutoModelForCausalLM
@@ -57,10 +33,10 @@ def test_layout_matches_transformers_kv(tiny_model: str) -> None:
         connector = worker_connector()
         half = connector.worker_half
         name = next(iter(half.layers))
-        recorder = AttentionRecorder(name)
+        recorder = PrefillRecorder([name])
         half.observers.append(recorder)
         greedy(llm, PROMPT, max_tokens=1)
-        row = recorder.calls[0]["block_row"]
+        row = recorder.calls[name][0]["block_row"]
         keys, values = half.layout.read(half.kv_caches[name], row, 0, len(PROMPT))
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -87,9 +63,6 @@ def test_policy_none_store_hit_is_token_identical(tiny_model: str) -> None:
 def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
     """Budget 0.5: stored bytes <= 0.55 x full, and the engine's attention over the loaded
     compacted prefix equals ``ragged_attention`` over the stored kept tokens + the tail."""
-    from lmcompact.attention.reference import ragged_attention
-    from lmcompact.layout.ragged import RaggedLayer
-
     extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK, "window": 16}
     with engine(tiny_model, extra) as llm:
         connector = worker_connector()
@@ -99,11 +72,11 @@ def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
         assert half.stats["saved_chunks"] == 4
         assert half.stats["bytes_stored"] <= 0.55 * half.stats["bytes_full"]
         layer_name = list(half.layers)[1]
-        recorder = AttentionRecorder(layer_name)
+        recorder = PrefillRecorder([layer_name])
         half.observers.append(recorder)
         greedy(llm, PROMPT, max_tokens=2)
         assert half.stats["loaded_chunks"] == 4
-        call = recorder.calls[0]
+        call = recorder.calls[layer_name][0]
         chunks = stored_chunks(connector, PROMPT)
         kept = half.kept
         n_prefix = 4 * CHUNK
@@ -112,27 +85,10 @@ def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
         tail_k, tail_v = half.layout.read(
             half.kv_caches[layer_name], call["block_row"], 4 * kept, tail
         )
-    layer = 1
-    heads = half.facts.num_kv_heads
-    keys, values, positions, counts = [], [], [], []
-    for h in range(heads):
-        parts = [c.head(layer, h) for c in chunks]
-        keys.append(torch.cat([p[0] for p in parts] + [tail_k[h]]))
-        values.append(torch.cat([p[1] for p in parts] + [tail_v[h]]))
-        positions.append(
-            torch.cat(
-                [p[2].long() + i * CHUNK for i, p in enumerate(parts)]
-                + [torch.arange(n_prefix, len(PROMPT))]
-            )
-        )
-        counts.append(keys[-1].shape[0])
-    cu = torch.zeros(heads + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(torch.tensor(counts), 0)
-    ragged = RaggedLayer(torch.cat(keys), torch.cat(values), torch.cat(positions), cu, heads)
-    d = half.facts.head_dim
-    query = call["query"].view(tail, -1, d).permute(1, 0, 2).unsqueeze(0)
-    expected, _ = ragged_attention(query, ragged, torch.arange(n_prefix, len(PROMPT))[None])
-    got = call["output"].view(tail, -1, d).permute(1, 0, 2).unsqueeze(0)
+    prefix = compacted_prefix(chunks, 1, half.facts.num_kv_heads, CHUNK)
+    got, expected = attention_vs_reference(
+        call, prefix, tail_k, tail_v, n_prefix, len(PROMPT), half.facts.head_dim
+    )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # and it is not plain full attention: half of the prefix is really gone
     assert 4 * kept == n_prefix // 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +30,7 @@ def memory_engine(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 2048,
     connector: tuple[str, str] = MEMORY_CONNECTOR,
+    prefix_caching: bool = False,
 ) -> Iterator[Any]:
     """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector.
 
@@ -38,34 +38,23 @@ def memory_engine(
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``), None for vLLM's
             own sizing.
         connector: ``(class name, module path)`` of the connector.
+        prefix_caching: vLLM's ``enable_prefix_caching``.
     """
-    from vllm import LLM
+    from connectors.offline import engine as offline_engine
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = memory_transfer_config(extra, connector)
-    if num_blocks is not None:
-        kwargs["num_gpu_blocks_override"] = num_blocks
-        # vLLM refuses a pool that cannot hold one max-length request (block 0 is null)
-        max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
-    llm = LLM(
-        model=model,
-        dtype="float32",
+    with offline_engine(
+        model,
+        extra,
+        connector=connector[0],
+        module_path=connector[1],
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=False,
+        num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        seed=0,
-        **kwargs,
-    )
-    try:
+        prefix_caching=prefix_caching,
+    ) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def scheduler(llm: Any) -> Any:

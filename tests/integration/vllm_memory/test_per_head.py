@@ -12,7 +12,6 @@ from vLLM's own rows: the comparison can fail either way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from tests.integration.vllm_memory.harness import (
     run,
     scheduler,
 )
+from tests.integration.vllm_memory.perhead_probe import PerHeadRecorder, dense_reference
 
 pytestmark = pytest.mark.integration
 
@@ -51,89 +51,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
-@dataclass
-class Call:
-    """One recorded attention call of ``LAYER`` for one per-head request."""
-
-    req_id: str
-    queries: torch.Tensor  # (q_len, Hq, D)
-    vllm_out: torch.Tensor  # vLLM's own output rows
-    out: torch.Tensor  # after the connector's recompute
-    pages: torch.Tensor  # copy of the request's hole-skipped pages
-    seq_len: int  # hole-skipped key length
-    counts: torch.Tensor  # (Hkv,)
-    reserved: int
-
-
-class Recorder:
-    """Two observers around the connector's recompute, for one layer."""
-
-    def __init__(self, connector: Any) -> None:
-        self.worker = connector.worker_half
-        self.perhead = connector.perhead
-        self.name = list(self.worker.layers)[LAYER]
-        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.calls: list[Call] = []
-
-    def rows(self, metadata: Any) -> list[tuple[int, str]]:
-        firsts = metadata.block_table[: metadata.query_start_loc.numel() - 1, 0].tolist()
-        by_first = {e.first_block: r for r, e in self.perhead.entries.items()}
-        return [(row, by_first[f]) for row, f in enumerate(firsts) if f in by_first]
-
-    def before(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name != self.name:
-            return
-        starts = metadata.query_start_loc.tolist()
-        for row, req_id in self.rows(metadata):
-            rows = slice(starts[row], starts[row + 1])
-            self.pending[req_id] = (query[rows].clone(), output[rows].clone())
-
-    def after(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
-        if name != self.name:
-            return
-        starts = metadata.query_start_loc.tolist()
-        kv = self.worker.kv_caches[name]
-        for row, req_id in self.rows(metadata):
-            entry = self.perhead.entries[req_id]
-            seq_len = int(metadata.seq_lens[row])
-            blocks = metadata.block_table[row, : -(-seq_len // BLOCK_SIZE)].long()
-            queries, vllm_out = self.pending.pop(req_id)
-            q_len, d = queries.shape[0], self.worker.facts.head_dim
-            self.calls.append(
-                Call(
-                    req_id,
-                    queries.view(q_len, -1, d),
-                    vllm_out.view(q_len, -1, d),
-                    output[starts[row] : starts[row + 1]].clone().view(q_len, -1, d),
-                    kv[blocks].clone(),
-                    seq_len,
-                    entry.counts[LAYER].clone(),
-                    entry.reserved,
-                )
-            )
-
-
-def dense_reference(call: Call, layout: Any, scale: float) -> torch.Tensor:
-    """Each kv head attends to its own ``count`` packed keys plus the causal tail."""
-    n_blocks = call.pages.shape[0]
-    keys, values = layout.read(call.pages, list(range(n_blocks)), 0, call.seq_len)
-    q_len, hq, _ = call.queries.shape
-    hkv = keys.shape[0]
-    group = hq // hkv
-    out = torch.zeros_like(call.queries)
-    for h in range(hkv):
-        for i in range(q_len):
-            last = call.seq_len - q_len + i + 1
-            index = torch.cat(
-                [torch.arange(int(call.counts[h])), torch.arange(call.reserved, last)]
-            )
-            k, v = keys[h, index].double(), values[h, index].double()
-            for g in range(group):
-                weights = torch.softmax(call.queries[i, h * group + g].double() @ k.T * scale, -1)
-                out[i, h * group + g] = (weights @ v).to(out.dtype)
-    return out
-
-
 def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -142,9 +59,8 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
         start_free = manager.block_pool.get_num_free_blocks()
         connector = get_kv_transfer_group()
         assert connector.perhead is not None
-        recorder = Recorder(connector)
-        connector.worker_half.observers.insert(0, recorder.before)
-        connector.worker_half.observers.append(recorder.after)
+        recorder = PerHeadRecorder(connector, [LAYER])
+        recorder.install()
         memory = scheduler(llm).connector.memory_scheduler
         held: dict[str, list[tuple[int, int, int]]] = {r: [] for r in PROMPTS}
         counts: dict[str, torch.Tensor] = {}
@@ -160,7 +76,7 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
                     held[rid].append((held_blocks(llm, engine_id), hole.start, hole.length))
 
         tokens = run(llm, PROMPTS, NEW_TOKENS, watch)
-        scale = float(connector.worker_half.layers[recorder.name].impl.scale)
+        scale = float(connector.worker_half.layers[next(iter(recorder.names))].impl.scale)
         layout = connector.worker_half.layout
         stats = dict(connector.perhead.stats)
         released = memory.stats.blocks_released
@@ -194,7 +110,7 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
     assert stats["calls"] >= len(calls) and stats["requests"] == 2
     gap_vllm = 0.0
     for call in calls:
-        want = dense_reference(call, layout, scale)
+        want = dense_reference(call, layout, scale).to(call.out.dtype)
         torch.testing.assert_close(call.out, want, rtol=1e-4, atol=1e-5)
         paged = masked_decode_attention(
             call.queries,

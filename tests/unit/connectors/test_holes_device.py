@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from connectors.holes import Hole, skip_holes, skip_holes_on_device
+from connectors.holes import Hole, cut_holes_in_place, skip_holes, skip_holes_on_device
 
 BS = 4
 
@@ -29,3 +29,22 @@ def test_device_cut_equals_host_cut() -> None:
 def test_no_holes_no_edit() -> None:
     table = torch.ones(2, 3, dtype=torch.int32)
     assert skip_holes_on_device(table, torch.ones(2, dtype=torch.int32), 2, {}, BS) is None
+
+
+def test_in_place_cut_by_rows_equals_host_cut() -> None:
+    table = torch.zeros(4, 10, dtype=torch.int32)
+    rows = {0: [7, 8, 9, 10, 11, 12, 13], 1: [3, 4, 5], 2: [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]}
+    for r, ids in rows.items():
+        table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    lens = torch.tensor([7 * BS - 1, 3 * BS, 10 * BS - 2, 0], dtype=torch.int32)
+    holes = {7: Hole(7, 1, 3, req_id="a"), 20: Hole(20, 2, 5, req_id="c")}
+    want = skip_holes(table, lens, 3, holes, BS)
+    assert want is not None
+    cut_table, cut_lens = table.clone(), lens.clone()
+    cut_holes_in_place(cut_table, cut_lens, [0, 2], [1, 2], [3, 5], BS)
+    assert torch.equal(cut_table, want[0])
+    assert torch.equal(cut_lens, want[1])
+    assert torch.equal(cut_table[1], table[1]) and int(cut_lens[1]) == 3 * BS  # no hole: unchanged
+    untouched = table.clone()
+    cut_holes_in_place(untouched, lens.clone(), [], [], [], BS)
+    assert torch.equal(untouched, table)

@@ -71,6 +71,72 @@ def check_attention() -> None:
         check(f"paged attention mass case {i}", mass, want_mass)
 
 
+def _int8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(block, slot, head) symmetric int8 of a ``(nb, bs, Hkv, D)`` pool, and its scales."""
+    scale = pool.float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(pool.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def check_decode() -> None:
+    """The fixed-grid decode kernel (device-side splits), float and int8 pools."""
+    cases = [
+        # kept (B x Hkv), prefix, tail, group, block_size, splits
+        ([[5, 0, 1], [16, 7, 3]], [16, 32], [3, 9], 3, 4, 3),
+        ([[0, 1], [9, 2]], [12, 16], [40, 33], 8, 4, 1),
+        ([[0], [0], [0]], [0, 0, 0], [70, 1, 33], 4, 8, 4),
+    ]
+    for i, (kept, prefix, tail, group, bs, splits) in enumerate(cases):
+        case = random_paged_case(
+            kept, prefix, tail, [1] * len(prefix), group=group, head_dim=32, block_size=bs, seed=i
+        )
+        want, _ = paged_attention_reference(
+            case.queries,
+            case.key_pool,
+            case.value_pool,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
+        )
+        got = paged_attention.paged_decode_attention(
+            case.queries,
+            case.key_pool,
+            case.value_pool,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
+            scale=32**-0.5,
+            num_splits=splits,
+        )
+        check(f"decode kernel case {i}", got, want)
+        qk, sk = _int8_pool(case.key_pool)
+        qv, sv = _int8_pool(case.value_pool)
+        want8, _ = paged_attention_reference(
+            case.queries,
+            qk,
+            qv,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
+            key_scales=sk,
+            value_scales=sv,
+        )
+        got8 = paged_attention.paged_decode_attention(
+            case.queries,
+            qk,
+            qv,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
+            scale=32**-0.5,
+            num_splits=splits,
+            key_scales=sk,
+            value_scales=sv,
+        )
+        check(f"decode kernel int8 case {i}", got8, want8)
+        check(f"decode kernel int8 near float case {i}", got8, want, 0.1)
+
+
 def check_window_scores() -> None:
     gen = torch.Generator().manual_seed(3)
     for b, hkv, group, w, t, d in ((1, 2, 3, 5, 70, 32), (2, 1, 8, 4, 33, 16)):
@@ -135,6 +201,7 @@ def check_moves() -> None:
 
 if __name__ == "__main__":
     check_attention()
+    check_decode()
     check_window_scores()
     check_moves()
     sys.exit(1 if FAILURES else 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -10,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcompact.plan import KeepPlan
-from lmcompact.policies import Budget, CompactionInputs, CompactionPolicy, Phase
+from lmcompact.policies import (
+    Budget,
+    CompactionInputs,
+    CompactionPolicy,
+    LayerObservation,
+    Need,
+    Phase,
+)
 from lmcompact.policies.adakv import AdaKV
 from lmcompact.policies.duoattention import DuoAttention
 from lmcompact.policies.pyramidkv import PyramidKV
@@ -155,13 +164,113 @@ def test_budget_tokens_override(case: PolicyCase) -> None:
 def test_describe_is_plain_data(case: PolicyCase) -> None:
     policy = case.make(0.5, 2, 2)
     described = type(policy).describe()
+    assert json.loads(json.dumps(described)) == described, "describe() must be plain data"
     assert described["name"] == case.name
     assert set(described["params"]) >= {"budget"}
-    assert described["phases"] and set(described["phases"]) <= {"PREFILL", "DECODE"}
+    assert described["phases"], "a policy applies at some phase"
     assert "arxiv.org" in (type(policy).__doc__ or "") or case.name in ("none", "random")
-    if isinstance(policy, AdaKV):
-        # an Ada-KV instance reads and runs when its scorer does, whatever the class says
-        assert policy.phases == type(policy.inner).phases
-        assert policy.needs == type(policy.inner).needs
-        tova = AdaKV(budget=Budget(ratio=0.5), scorer="tova")
-        assert Phase.DECODE in tova.phases and Phase.DECODE not in type(tova).phases
+
+
+_NEEDED_BY = {
+    Need.KEYS: ("keys", "values"),
+    Need.WINDOW_SCORES: ("window_scores",),
+    Need.WINDOW_ATTENTION: ("window_attention",),
+    Need.CUMULATIVE_SCORES: ("cumulative_scores",),
+    Need.CONTEXT_SCORES: ("context_scores",),
+    Need.WINDOW_QUERIES: ("window_queries",),
+}
+
+
+def only_declared(inputs: CompactionInputs, needs: Need) -> CompactionInputs:
+    """``inputs`` without what ``needs`` does not ask for (as the integrations build them)."""
+    kept = {attr for flag, attrs in _NEEDED_BY.items() if flag in needs for attr in attrs}
+    layers = [
+        LayerObservation(**{a: getattr(layer, a) if a in kept else None for a in _LAYER_FIELDS})
+        for layer in inputs.layers
+    ]
+    classes = Need.TOKEN_CLASSES in needs
+    return dataclasses.replace(
+        inputs,
+        layers=layers,
+        special_mask=inputs.special_mask if classes else None,
+        punctuation_mask=inputs.punctuation_mask if classes else None,
+        query_positions=inputs.query_positions if Need.WINDOW_QUERIES in needs else None,
+    )
+
+
+_LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerObservation)]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["prefill", "padded"])
+@pytest.mark.parametrize("case", POLICY_CASES, ids=CASE_IDS)
+def test_an_instance_reads_only_what_it_declares(case: PolicyCase, padded: bool) -> None:
+    """The instance's ``needs`` (what every integration computes for it) are enough: the
+    plan from just those inputs is the plan from all of them, and a missing one is a
+    ValueError naming it. Read from the instance, as the integrations do (an Ada-KV
+    instance declares its scorer's needs)."""
+    policy = case.make(0.5, 2, 3)
+    full = case.build(2, 3, 24, 8, seed=11, padded=padded)
+    assert policy.plan(only_declared(full, policy.needs)) == policy.plan(full)
+    for flag, attrs in _NEEDED_BY.items():
+        if flag in policy.needs:
+            missing = only_declared(full, policy.needs & ~flag)
+            with pytest.raises(ValueError, match=attrs[0]):
+                policy.plan(missing)
+
+
+def decode_step_inputs(full: CompactionInputs, target: int) -> CompactionInputs:
+    """What the decode path (``lmcompact.hf.cache``) hands a policy: one layer of padded
+    candidates, the last step's attention as a one-query window, cumulative scores, a
+    fixed ``budget_tokens``; no token classes, context scores or window queries."""
+    layer = full.layers[0]
+    assert layer.window_scores is not None
+    return dataclasses.replace(
+        full,
+        layers=[
+            LayerObservation(
+                keys=layer.keys,
+                values=layer.values,
+                window_scores=layer.window_scores,
+                window_attention=layer.window_scores[:, None, :],
+                cumulative_scores=layer.cumulative_scores,
+            )
+        ],
+        special_mask=None,
+        punctuation_mask=None,
+        query_positions=None,
+        budget_tokens=target,
+    )
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=CASE_IDS)
+def test_phases_of_an_instance_hold(case: PolicyCase) -> None:
+    """``Phase.DECODE in policy.phases`` (instance, as ``lmcompact.hf.cache`` reads it)
+    promises a policy that plans decode-time inputs and keeps to their ``budget_tokens``;
+    one that does not declare it must declare PREFILL. No policy is exempted: a DECODE
+    policy that needed token classes, context scores or window queries, ignored
+    ``budget_tokens`` or kept padding fails here."""
+    policy = case.make(0.5, 1, 3)
+    assert policy.phases & Phase.BOTH, "a policy applies at some phase"
+    if Phase.DECODE not in policy.phases:
+        return
+    for seed in range(3):
+        decode = decode_step_inputs(case.build(1, 3, 24, 8, seed=seed, padded=True), target=5)
+        inputs = only_declared(decode, policy.needs)
+        plan = policy.plan(inputs)
+        check_plan_shape(plan, inputs)
+        check_budget(case, policy, inputs, plan)
+        assert policy.keep_count(inputs) == 5
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "h2o", "tova", "streaming_llm"])
+def test_adakv_instance_runs_when_its_scorer_does(scorer: str) -> None:
+    """Ada-KV's class says PREFILL and WINDOW_SCORES (its default scorer); an instance
+    declares its scorer's phases and needs, so Ada-KV over a decode scorer compacts
+    during decode (``test_phases_of_an_instance_hold`` then holds it to that)."""
+    policy = AdaKV(budget=Budget(ratio=0.5), scorer=scorer)
+    inner = type(policy.inner)
+    assert (policy.phases, policy.needs) == (inner.phases, inner.needs)
+    if Phase.DECODE in inner.phases:
+        decode = decode_step_inputs(POLICY_CASES[0].build(1, 2, 16, 4, padded=True), target=3)
+        plan = policy.plan(only_declared(decode, policy.needs))
+        assert int(plan.kept_counts().sum()) == min(3 * 2, int(decode.valid_counts().sum()))

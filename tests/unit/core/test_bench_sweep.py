@@ -1,0 +1,59 @@
+"""The budget sweep shared by ``lmcompact bench capacity`` and ``bench serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcompact.bench.child import child_main
+from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish
+
+
+def test_parse_budgets() -> None:
+    assert parse_budgets(" 0.25, 0.5 ,") == ["0.25", "0.5"]
+    for bad, message in [("", "at least one"), ("0.5,1.0", r"\(0, 1\), got 1.0"), ("x", "got x")]:
+        with pytest.raises(ValueError, match=message):
+            parse_budgets(bad)
+
+
+def test_budget_plans_baseline_first_then_one_pack_per_budget() -> None:
+    plans = budget_plans("snapkv", ["0.25", "0.5"], 16, {"prefill": "pack"})
+    assert [name for name, _ in plans] == ["baseline", "0.25", "0.5"]
+    assert plans[0][1] is None
+    assert plans[2][1] == {
+        "policy": "snapkv",
+        "budget": 0.5,
+        "save": False,
+        "load": False,
+        "window": 16,
+        "memory": {"prefill": "pack"},
+    }
+
+
+def test_bench_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lmcompact", "bench", "serve", "--quick"])
+    assert bench_command("serve") == "lmcompact bench serve --quick"
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--quick"])
+    assert bench_command("serve") == "lmcompact bench serve --quick"
+
+
+def test_publish_writes_json_and_plot_next_to_it(tmp_path: Path) -> None:
+    drawn: list[Path] = []
+    args = argparse.Namespace(json=str(tmp_path / "r.json"), plot=None)
+    publish(args, {"a": 1}, drawn.append)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
+    assert drawn == [tmp_path / "r.png"]
+    publish(argparse.Namespace(json="-", plot=None), {"a": 1}, drawn.append)
+    assert len(drawn) == 1  # stdout only: no plot
+
+
+def test_child_main_round_trip(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"workload": {"n": 2}, "extra": None, "out": str(out)}))
+    assert child_main(str(spec), lambda w, e: {"n": w["n"] * 2, "extra": e}) == 0
+    assert json.loads(out.read_text()) == {"n": 4, "extra": None}
