@@ -80,6 +80,9 @@ class SaveJob:
         window: the last ``window`` prompt positions form the observation window; None
             means every captured query is in it.
         rope: the model's RoPE when known (Expected Attention rotates with it).
+        context_scores: per layer ``(H, num_tokens)`` context scores computed elsewhere
+            (a reconstruction pass, ``connectors/reconstruct.py``); they replace the
+            scores of the captured sample. None: computed here from ``queries``.
     """
 
     req_id: str
@@ -92,6 +95,7 @@ class SaveJob:
     scale: float
     window: int | None = None
     rope: Rope | None = None
+    context_scores: list[torch.Tensor] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -241,7 +245,11 @@ def compact_job(
             LayerObservation(
                 window_scores=mass,
                 window_attention=rows,
-                context_scores=observe_context(job, policy, keys, queries, context),
+                context_scores=(
+                    observe_context(job, policy, keys, queries, context)
+                    if job.context_scores is None
+                    else job.context_scores[index]
+                ),
                 window_queries=(
                     window_queries.permute(1, 0, 2)
                     if Need.WINDOW_QUERIES in policy.needs and window_queries is not None

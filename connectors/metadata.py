@@ -45,7 +45,8 @@ class LoadSpec:
 
 @dataclass
 class CaptureSpec:
-    """Copy the queries of some of a request's tokens computed this step (window queries).
+    """Copy the queries of some of a request's tokens computed this step (window queries),
+    or, with ``reconstruct``, score them against the request's keys right away.
 
     Attributes:
         req_id: request id.
@@ -56,6 +57,20 @@ class CaptureSpec:
     req_id: str
     slots: list[int]
     positions: list[int]
+    reconstruct: ReconstructCapture | None = None
+
+
+@dataclass
+class ReconstructCapture:
+    """The captured rows are a reconstruction pass's repeat queries: score them at once.
+
+    Attributes:
+        block_ids: the request's block table row (the worker reads its keys from there).
+        context_len: ``T``: the first copy, whose keys get the scores.
+    """
+
+    block_ids: list[int]
+    context_len: int
 
 
 @dataclass
@@ -68,6 +83,8 @@ class SaveSpec:
         keys: store keys of the chunks to save.
         start: first token of the first chunk to save.
         num_tokens: tokens from ``start`` whose KV is in the cache after this step.
+        reconstruct: the chunks are a reconstruction pass's first copy: compact them with
+            the scores the worker accumulated for this request (``connectors/reconstruct.py``).
     """
 
     req_id: str
@@ -75,6 +92,7 @@ class SaveSpec:
     keys: list[ChunkKey]
     start: int
     num_tokens: int
+    reconstruct: bool = False
 
 
 @dataclass

@@ -41,7 +41,16 @@ from typing import Any
 from connectors import vllm_shim as shim
 from connectors.config import ConnectorConfig
 from connectors.holes import Hole, keyed_by_last_block
-from connectors.metadata import CaptureSpec, LoadSpec, SaveSpec, StepMetadata, WorkerReport
+from connectors.metadata import (
+    CaptureSpec,
+    LoadSpec,
+    ReconstructCapture,
+    SaveSpec,
+    StepMetadata,
+    WorkerReport,
+)
+from connectors.reconstruct import ReconstructRequest, reconstruct_request
+from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -64,6 +73,7 @@ class _Tracked:
     looked_up: tuple[int, int, int] | None = None  # (first, last, index version) -> present
     present: int = 0
     capture: list[int] | None = None
+    reconstruct: ReconstructRequest | None = None  # a reconstruction pass's parts
 
 
 class SchedulerHalf:
@@ -118,8 +128,36 @@ class SchedulerHalf:
         if tracked is None:
             prompt = shim.request_prompt_ids(request)
             tracked = _Tracked(prompt=prompt, keys=self.keyer.keys(prompt))
+            tracked.reconstruct = self._reconstruct_len(request, prompt)
             self._requests[req_id] = tracked
         return tracked
+
+    def _reconstruct_len(self, request: Any, prompt: list[int]) -> ReconstructRequest | None:
+        """The parts of ``request`` when it is a valid reconstruction pass the policy can use."""
+        try:
+            t = reconstruct_request(getattr(request, "kv_transfer_params", None), prompt)
+        except ValueError as error:
+            logger.error("request %s: %s; served as a plain request", request.request_id, error)
+            return None
+        if t is None:
+            return None
+        if not self.config.save or Need.CONTEXT_SCORES not in self.policy.needs:
+            logger.error(
+                "request %s asks for a reconstruction pass, but policy %r (save=%s) does not "
+                "store chunks scored by one; served as a plain request, nothing stored",
+                request.request_id,
+                self.config.store_policy_name,
+                self.config.save,
+            )
+            return None
+        logger.info(
+            "request %s is a reconstruction pass: stores its first %d tokens, scored by the "
+            "queries from position %d",
+            request.request_id,
+            t.context_len,
+            t.copy_start,
+        )
+        return t
 
     def _present(self, tracked: _Tracked, first: int, last: int) -> int:
         """Leading chunks of ``keys[:last]`` known to exist (from ``first`` on); cached per
@@ -177,8 +215,8 @@ class SchedulerHalf:
         tracked = self._track(request)
         tracked.pending, tracked.confirmed = 0, False
         c = self.config.chunk_size
-        if not self.config.load or num_computed % c:
-            return 0
+        if not self.config.load or num_computed % c or tracked.reconstruct is not None:
+            return 0  # a reconstruction pass computes its whole prompt itself
         first = num_computed // c
         last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
         if last <= first:
@@ -334,8 +372,13 @@ class SchedulerHalf:
         c, bs = self.config.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
+        recon = tracked.reconstruct
         if tracked.capture is None:
-            tracked.capture = self.capture_positions(prompt_len)
+            tracked.capture = (
+                self.capture_positions(prompt_len)
+                if recon is None
+                else list(range(recon.copy_start, prompt_len))  # the repeated copy
+            )
         first, last = (
             bisect.bisect_left(tracked.capture, lo),
             bisect.bisect_left(tracked.capture, hi),
@@ -343,11 +386,17 @@ class SchedulerHalf:
         if first < last:
             positions = tracked.capture[first:last]
             slots = [tracked.block_ids[p // bs] * bs + p % bs for p in positions]
-            meta.captures.append(CaptureSpec(sched.req_id, slots, positions))
+            scored = (
+                None
+                if recon is None
+                else ReconstructCapture(list(tracked.block_ids), recon.context_len)
+            )
+            meta.captures.append(CaptureSpec(sched.req_id, slots, positions, scored))
         if hi < prompt_len:
             return
         tracked.saved = True
-        n_full = prompt_len // c
+        # never the second copy
+        n_full = prompt_len // c if recon is None else recon.context_len // c
         first = tracked.loaded_end // c
         if first < n_full:
             first = max(first, self._present(tracked, 0, n_full))
@@ -364,7 +413,8 @@ class SchedulerHalf:
                 block_ids=list(tracked.block_ids),
                 keys=keys,
                 start=first * c,
-                num_tokens=prompt_len - first * c,
+                num_tokens=(prompt_len if recon is None else recon.context_len) - first * c,
+                reconstruct=recon is not None,
             )
         )
 

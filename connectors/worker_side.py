@@ -38,7 +38,14 @@ from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbyt
 from connectors.config import ConnectorConfig
 from connectors.holes import cut_holes_in_place
 from connectors.kv_layout import PageLayout, make_layout
-from connectors.metadata import LoadSpec, SaveSpec, StepMetadata, WorkerReport
+from connectors.metadata import (
+    LoadSpec,
+    ReconstructCapture,
+    SaveSpec,
+    StepMetadata,
+    WorkerReport,
+)
+from connectors.reconstruct import ReconstructScores
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 
@@ -88,6 +95,9 @@ class WorkerHalf:
         self._capture_rows: dict[str, torch.Tensor] = {}
         self._captured: dict[str, list[list[torch.Tensor]]] = {}
         self._captured_pos: dict[str, list[int]] = {}
+        # reconstruction passes: this step's rows, positions and spec; running scores
+        self._recon_rows: dict[str, tuple[torch.Tensor, torch.Tensor, ReconstructCapture]] = {}
+        self._recon: dict[str, ReconstructScores] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
@@ -107,6 +117,8 @@ class WorkerHalf:
             "save_errors": 0,
             "capture_specs": 0,  # window captures asked for / found in the batch
             "captures_found": 0,
+            "reconstruct_s": 0.0,  # scoring reconstruction passes on the forward path
+            "reconstruct_queries": 0,
             "eager_capture_steps": 0,  # steps run without full graphs to capture queries
             "rows_cut_in_buffers": 0,
         }
@@ -281,6 +293,7 @@ class WorkerHalf:
         for req_id in meta.finished:
             self._captured.pop(req_id, None)
             self._captured_pos.pop(req_id, None)
+            self._recon.pop(req_id, None)
         for load in meta.loads:
             self._load(load)
         per_layer = shim.forward_metadata(forward_context)
@@ -399,8 +412,15 @@ class WorkerHalf:
                     len(spec.slots),
                 )
                 continue
-            rows[spec.req_id] = found
             self.stats["captures_found"] += 1
+            if spec.reconstruct is not None:
+                positions = torch.tensor(spec.positions, dtype=torch.int64)
+                self._recon_rows[spec.req_id] = (found, positions, spec.reconstruct)
+                self._recon.setdefault(
+                    spec.req_id, ReconstructScores(spec.reconstruct.context_len, len(self.layers))
+                )
+                continue
+            rows[spec.req_id] = found
             self._captured.setdefault(spec.req_id, [[] for _ in self.layers])
             self._captured_pos.setdefault(spec.req_id, []).extend(spec.positions)
         return rows
@@ -448,12 +468,32 @@ class WorkerHalf:
                 # stays on the device (no host sync per layer): the GPU pack reads it there,
                 # the save path copies it to the host in _copy_job
                 self._captured[req_id][index].append(q.detach().clone())
+        if self._recon_rows and self.windows.get(name) is None:  # sliding layers keep recent
+            self._score_reconstruction(name, layer, query)
         for observer in self.observers:
             observer(name, query, attn_metadata, output)
+
+    def _score_reconstruction(self, name: str, layer: Any, query: torch.Tensor) -> None:
+        """Fold this step's repeat queries of layer ``name`` into the running scores (the
+        layer's keys of this step are in its pages once its attention ran)."""
+        began = time.perf_counter()
+        index = self.layer_index[name]
+        for req_id, (rows, positions, spec) in self._recon_rows.items():
+            q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+            keys, _ = self.layout.read(
+                self.kv_caches[name], spec.block_ids, 0, int(positions.max()) + 1
+            )
+            self._recon[req_id].observe(
+                index, q, positions.to(keys.device), keys, shim.attention_scale(layer)
+            )
+            if index == 0:
+                self.stats["reconstruct_queries"] += positions.numel()
+        self.stats["reconstruct_s"] += time.perf_counter() - began
 
     def wait_for_save(self) -> None:
         meta, self._meta = self._meta, None
         self._capture_rows = {}
+        self._recon_rows = {}
         self._edited = {}
         if meta is None or not self._prepared:
             return
@@ -476,7 +516,10 @@ class WorkerHalf:
         positions = self._captured_pos.pop(spec.req_id, None)
         queries = None
         query_positions = None
-        if captured and positions and all(captured):
+        context_scores = None
+        if spec.reconstruct:
+            context_scores = self._reconstruction_scores(spec, pages)
+        elif captured and positions and all(captured):
             queries = [torch.cat(parts).float().cpu() for parts in captured]
             query_positions = torch.tensor(positions, dtype=torch.int64)
         first_layer = next(iter(self.layers.values()))
@@ -491,7 +534,27 @@ class WorkerHalf:
             shim.attention_scale(first_layer),
             window=self.config.window,
             rope=self.rope,
+            context_scores=context_scores,
         )
+
+    def _reconstruction_scores(
+        self, spec: SaveSpec, pages: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Per layer ``(H, num_tokens)`` scores of the saved span from the request's running
+        maxima; layers never scored (sliding ones, whose plans keep the recent tokens) get 0."""
+        recon = self._recon.pop(spec.req_id, None)
+        h = self.facts.num_kv_heads
+        if recon is None:
+            logger.warning(
+                "reconstruction pass %s has no scores (its repeat queries were not seen); "
+                "its chunks are compacted with zero scores",
+                spec.req_id,
+            )
+            return [torch.zeros(h, spec.num_tokens) for _ in pages]
+        span = slice(spec.start, spec.start + spec.num_tokens)
+        return [
+            torch.zeros(h, spec.num_tokens) if s is None else s[:h, span] for s in recon.per_layer()
+        ]
 
     def _run_job(self, job: SaveJob) -> None:
         try:

@@ -288,3 +288,51 @@ def context_scores(
         top = weights.amax(dim=(2, 3))  # (B, Hkv, visible)
         torch.maximum(best[:, :, :visible], top, out=best[:, :, :visible])
     return best
+
+
+def reconstruction_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    context_len: int,
+    *,
+    scale: float | None = None,
+    query_chunk: int = 128,
+) -> torch.Tensor:
+    """KVzip's scores of a context's keys from the queries of its reconstruction.
+
+    The sequence is ``context (T) + repeat prompt + context again``; the queries are
+    (some of) the second copy's, each at its own position. Every query attends causally
+    to all keys up to its position, normalized over exactly those keys (the model's own
+    attention row); a context key's score is the largest weight any query and any query
+    head of its GQA group gives it (:func:`context_scores` restricted to the first
+    ``context_len`` keys). Calls on disjoint query sets combine with ``torch.maximum``,
+    so a chunked prefill can score each step's queries as they come::
+
+        keys       [ context 0..T-1 | repeat prompt | copy ..... ]
+        queries                                     [ q at p ... ]  sees keys <= p
+        score[j] = max_{q, g} softmax_j(q k_j^T * scale)[j],  j < T
+
+    Args:
+        queries: ``(B, Hq, S, D)`` post-RoPE queries of the repeated copy.
+        keys: ``(B, Hkv, N, D)`` post-RoPE keys of the sequence from position 0, with
+            ``N > max(query_positions)`` (keys past a query are masked).
+        query_positions: ``(S,)`` positions of the queries, each ``>= context_len``.
+        context_len: ``T``, the keys that get scores.
+        scale: Softmax scale (default ``1 / sqrt(D)``).
+        query_chunk: Queries per block (memory ``Hq x query_chunk x N`` floats).
+
+    Returns:
+        ``(B, Hkv, T)`` float32 scores in ``[0, 1]``.
+    """
+    if context_len <= 0 or context_len > keys.shape[2]:
+        raise ValueError(
+            f"context_len must be in [1, {keys.shape[2]}] (the keys), got {context_len}"
+        )
+    if query_positions.numel() and int(query_positions.min()) < context_len:
+        raise ValueError(
+            f"reconstruction queries must sit after the context (positions >= {context_len}), "
+            f"got {int(query_positions.min())}"
+        )
+    scores = context_scores(queries, keys, query_positions, scale=scale, query_chunk=query_chunk)
+    return scores[:, :, :context_len]

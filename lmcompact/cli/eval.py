@@ -5,6 +5,7 @@ multi_needle / needle in the save, load and inplace modes)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -48,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="save,load,inplace",
         help="--engine vllm: comma-separated modes: save (stored compacted by a first "
         "request), load (stored whole, packed at load), inplace (no store)",
+    )
+    parser.add_argument(
+        "--no-reconstruct",
+        dest="reconstruct",
+        action="store_false",
+        help="--engine vllm, save mode: store contexts for kvzip with the context alone "
+        "(single-pass sampled queries) instead of KVzip's reconstruction request",
+    )
+    parser.add_argument(
+        "--policy-params",
+        type=json.loads,
+        default={},
+        help="--engine vllm: JSON object, policy name -> its policy_params "
+        '(e.g. \'{"kvzip": {"share": true, "kernel_size": 15}}\')',
     )
     parser.add_argument(
         "--model",
@@ -159,6 +174,8 @@ def run_vllm(args: argparse.Namespace) -> int:
             modes=[m.strip() for m in args.compact_on.split(",") if m.strip()],
             new_tokens=args.new_tokens,
             seed=args.seed,
+            reconstruct=args.reconstruct,
+            policy_params=args.policy_params,
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)

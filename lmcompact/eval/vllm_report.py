@@ -188,8 +188,9 @@ ROW_ID = (*KEY, "sample", "question")
 
 
 def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One payload from several runs' JSON: their rows (a row already present, e.g. the
-    same full-cache baseline in two runs, is kept once), summary and commands."""
+    """One payload from several runs' JSON (or earlier merges): their rows (a row already
+    present, e.g. the same full-cache baseline in two runs, is kept once), summary and
+    commands."""
     seen: set[tuple[Any, ...]] = set()
     rows: list[dict[str, Any]] = []
     for payload in payloads:
@@ -199,10 +200,13 @@ def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 continue
             seen.add(key)
             rows.append(row)
+    # an input may itself be a merged payload (``commands`` / ``configs`` lists)
+    commands = [c for p in payloads for c in p.get("commands", [p.get("command")])]
+    configs = [c for p in payloads for c in p.get("configs", [p.get("config")])]
     return {
-        "commands": [p.get("command") for p in payloads],
+        "commands": commands,
         "engine": "vllm",
-        "configs": [p.get("config") for p in payloads],
+        "configs": configs,
         "elapsed_s": sum(p.get("elapsed_s", 0.0) for p in payloads),
         "results": summarize(rows),
         "samples": rows,

@@ -7,7 +7,12 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     A first request holding the context alone computes it and stores it compacted (the
     policy's observation window is the end of the context: no question exists yet). Every
     question request (context + question) then loads the compacted prefix from the store
-    and computes only its question.
+    and computes only its question. For a policy that reads context scores (``kvzip``) the
+    first request is KVzip's reconstruction pass instead (``context + repeat prompt +
+    context``, :func:`connectors.reconstruct.store_context`; rows say
+    ``store_request: "reconstruct"``): only the first copy's chunks are stored, compacted
+    with the repeat's attention (``reconstruct=False`` stores the context alone, scored by
+    its own sampled queries).
 ``load``
     The first request stores the context whole (``"compact_on": "load"``); every question
     request loads it whole and packs it in place at its prefill end, with the question as
@@ -64,6 +69,10 @@ class VllmEvalConfig:
         chunk_size: store chunk, tokens.
         window: observation-window queries.
         seed: picks texts, passkeys and colors.
+        reconstruct: in ``save`` mode, store contexts for policies that read context
+            scores (``kvzip``) with KVzip's reconstruction request.
+        policy_params: per policy name, ``policy_params`` of the connector (e.g.
+            ``{"kvzip": {"share": True, "kernel_size": 15}}``).
     """
 
     models: list[str] = field(default_factory=lambda: ["smollm2"])
@@ -78,6 +87,8 @@ class VllmEvalConfig:
     chunk_size: int = 256
     window: int = 32
     seed: int = 0
+    reconstruct: bool = True
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -96,6 +107,9 @@ class VllmEvalConfig:
                 raise ValueError(f"context must be >= {2 * self.chunk_size} tokens, got {context}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"depths must be in [0, 1], got {self.depths}")
+        bad = [p for p in self.policy_params if p not in self.policies]
+        if bad:
+            raise ValueError(f"policy_params for {bad}, which are not among the policies")
         if self.samples < 1 or self.new_tokens < 1:
             raise ValueError(
                 f"samples and new_tokens must be >= 1, got {self.samples}, {self.new_tokens}"
@@ -146,6 +160,8 @@ def connector_extra(
         "async_save": False,
         "model_id": namespace,
     }
+    if config.policy_params.get(policy):
+        extra["policy_params"] = dict(config.policy_params[policy])
     if mode == "save":
         extra.update(compact_on="save", memory={"prefill": "off"})
     elif mode == "load":
@@ -155,6 +171,26 @@ def connector_extra(
     else:
         raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     return extra
+
+
+def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
+    """Whether the cell stores its contexts with KVzip's reconstruction request."""
+    if mode != "save" or not config.reconstruct or policy == BASELINE:
+        return False
+    from lmcompact.policies import Need, make_policy
+
+    params = config.policy_params.get(policy, {})
+    return Need.CONTEXT_SCORES in make_policy(policy, budget=0.5, **params).needs
+
+
+def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
+    """The ``policy`` of a row: the name, ``+reconstruct`` when the store request was
+    KVzip's reconstruction pass, and any ``policy_params`` (``kvzip+reconstruct(share=True)``)."""
+    label = policy + ("+reconstruct" if reconstruct else "")
+    params = config.policy_params.get(policy)
+    if params:
+        label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+    return label
 
 
 def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
@@ -181,25 +217,39 @@ def run_cell(
     mode: str,
     config: VllmEvalConfig,
     progress: Any = None,
+    reconstruct: bool = False,
+    max_len: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every case through one engine; one row per question.
 
     Row fields: ``task, context, sample, question, accuracy, answer, passkey, seconds``
     and the connector counters this question's request moved (``hit_chunks``,
     ``expected_hit_chunks``, ``packs``, ``blocks_released``, ``holes_adopted``,
-    ``pack_s``); ``warm_s`` is the first request's time (store modes).
+    ``pack_s``); ``warm_s`` is the first request's time (store modes), ``store_request``
+    what it was (``context`` or ``reconstruct``) and ``reconstruct_s`` the worker's time
+    scoring its repeat; ``max_len`` caps the reconstruction prompt (the model's positions:
+    a longer one repeats only the context's beginning).
     """
     from connectors import offline
+    from connectors.reconstruct import REPEAT_PROMPT, store_context
+
+    repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
     rows: list[dict[str, Any]] = []
     stored_modes = ("save", "load")
     for case in cases:
         warm_s = None
+        recon_s = None
         if mode in stored_modes:
             before = offline.request_counters(llm)
-            warm = offline.generate(llm, case.stored.context_ids, max_tokens=1)
+            began = time.perf_counter()
+            if reconstruct:
+                store_context(llm, case.stored.context_ids, repeat_ids, max_len=max_len)
+            else:
+                offline.generate(llm, case.stored.context_ids, max_tokens=1)
+            warm_s = time.perf_counter() - began
             after = offline.request_counters(llm)
-            warm_s = warm.seconds
+            recon_s = _delta(after, before, "reconstruct_s")
             if _delta(after, before, "hit_chunks"):
                 logger.error(
                     "the first request of %s sample %d hit the store: the namespace is not fresh",
@@ -223,6 +273,8 @@ def run_cell(
                 "accuracy": tasks.score_needle(text, needle.passkey),
                 "seconds": out.seconds,
                 "warm_s": warm_s,
+                "store_request": "reconstruct" if reconstruct else "context",
+                "reconstruct_s": recon_s,
                 "expected_hit_chunks": expected,
             }
             for key in ("hit_chunks", "packs", "blocks_released", "holes_adopted", "pack_s"):
@@ -243,6 +295,16 @@ def run_cell(
     return rows
 
 
+def model_positions(folder: str) -> int:
+    """The model's trained positions (``max_position_embeddings``; vLLM's RoPE tables end
+    there: a longer prompt reads past them)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", 1 << 30))
+
+
 def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
     """Every (model, context, cell); rows carry ``engine, model, policy, budget,
     compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
@@ -257,6 +319,7 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
     for model in config.models:
         folder = str(prepare_model(model))
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        positions = model_positions(folder)
         for context in config.contexts:
             cases = build_cases(tokenizer, config, context)
             per_cell = count_questions(cases)
@@ -274,20 +337,20 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     if mode == BASELINE
                     else connector_extra(mode, policy, budget, config, namespace)
                 )
+                recon = uses_reconstruction(mode, policy, config)
                 base = {
                     "engine": "vllm",
                     "impl": "lmcompact",
                     "model": model,
-                    "policy": policy,
+                    "policy": policy if mode == BASELINE else policy_label(policy, config, recon),
                     "budget": budget,
                     "compact_on": mode,
                 }
+                wanted = (2 * context if recon else context) + 64 + config.new_tokens
+                max_model_len = min(wanted, max(positions, context + 64 + config.new_tokens))
                 try:
                     llm = offline.build_llm(
-                        folder,
-                        extra,
-                        max_model_len=context + 64 + config.new_tokens,
-                        connector=CONNECTOR,
+                        folder, extra, max_model_len=max_model_len, connector=CONNECTOR
                     )
                 except Exception as error:  # a refused config is a result, not a crash
                     logger.error("%s %s %s refused: %s", mode, policy, budget, error)
@@ -298,7 +361,9 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                         bar.update(per_cell)
                     continue
                 try:
-                    cell_rows = run_cell(llm, tokenizer, cases, mode, config, bar)
+                    cell_rows = run_cell(
+                        llm, tokenizer, cases, mode, config, bar, recon, max_model_len - 1
+                    )
                 finally:
                     offline.shutdown(llm)
                     del llm

@@ -9,6 +9,25 @@ import torch
 from lmcompact.policies._select import pool_scores
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+"""What a reconstruction pass puts between the two copies of the context (KVzip's
+instruction, plain text: the base models here have no chat template)."""
+
+
+def reconstruction_ids(context_ids: list[int], repeat_ids: list[int]) -> list[int]:
+    """Token ids of KVzip's reconstruction pass: ``context + repeat + context``."""
+    if not context_ids:
+        raise ValueError("the context to reconstruct is empty")
+    return list(context_ids) + list(repeat_ids) + list(context_ids)
+
+
+def shared_scores(inputs: CompactionInputs) -> torch.Tensor:
+    """``(1, T)`` mean context score over every layer and head that has one."""
+    maps = [o.context_scores for o in inputs.layers if o.context_scores is not None]
+    if not maps:
+        raise ValueError("shared kvzip scores need context_scores on at least one layer")
+    return torch.stack([m.double() for m in maps]).mean(dim=(0, 1)).unsqueeze(0)
+
 
 def sample_query_positions(length: int, max_queries: int, window: int) -> torch.Tensor:
     """``(S,)`` sorted prompt positions whose queries score the keys.
@@ -39,11 +58,15 @@ class KVzip(ScorePolicy):
     any query head of its GQA group) gives it; keys the model needs to reproduce the
     context are kept, whatever the future question is.
 
-    Here no second pass runs (a vLLM connector cannot run one inside the engine's
-    step). The queries are the prompt's own prefill queries, sampled across the whole
-    prompt (:meth:`context_queries`: all of them up to ``max_queries``, else the last
-    ``window`` and evenly spaced ones before them), captured where the engine computes
-    them.
+    Two sources of context scores. (1) The real second pass: a request marked as a
+    reconstruction pass (``connectors/reconstruct.py``: ``store_context`` sends
+    ``context + REPEAT_PROMPT + context``; :mod:`lmcompact.hf.reconstruct` in
+    transformers) scores the first copy's keys with the repeat's queries
+    (:func:`lmcompact.attention.scores.reconstruction_scores`) and only the first copy
+    is stored. (2) Any other request (single pass, the fallback): the queries are the
+    prompt's own prefill queries, sampled across the whole prompt
+    (:meth:`context_queries`: all of them up to ``max_queries``, else the last ``window``
+    and evenly spaced ones before them), captured where the engine computes them.
     With ``repeat`` (default) each sampled query is moved by RoPE to position
     ``T + p`` (:meth:`context_shift`), where its token would sit in a repeat of the
     context, and sees every key, softmax-normalized over all of them: an induction head
@@ -56,11 +79,11 @@ class KVzip(ScorePolicy):
     several tokens, and a digit that scores low next to one that scores high comes
     along), and the first ``n_sink`` positions are always kept.
 
-    Cost: ``S x T`` query-key products per layer and query head on top of the prefill
-    (README: measured on SmolLM2 at 2k / 4k on the CPU). Differences from the paper:
-    the queries are the prefill's (same tokens, hidden states without the "repeat"
-    instruction), not a real reconstruction pass; the chunk and layer budgets are
-    uniform per (layer, head) instead of KVzip's head-adaptive global top-k.
+    Cost: single pass, ``S x T`` query-key products per layer and query head on top of
+    the prefill (README: measured on SmolLM2 at 2k / 4k on the CPU); reconstruction, a
+    second prefill of the context plus ``T x 2T`` products per query head and layer.
+    Differences from the paper: the chunk and layer budgets are uniform per (layer,
+    head) instead of KVzip's head-adaptive global top-k (the store needs one count).
 
     Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
 
@@ -71,6 +94,11 @@ class KVzip(ScorePolicy):
         repeat: Score the queries as a repeat of the context after it (needs RoPE
             facts from the integration; else causal).
         kernel_size: Max-pool width along the sequence, odd (1: none).
+        share: One token set for every (layer, head): the context scores are averaged
+            over all layers and heads before pooling, so a kept token is kept everywhere
+            (a number keeps all its digits in every head, where per-head choices drop
+            one digit here and another there). With a wide ``kernel_size`` (15) whole
+            facts survive together.
     """
 
     name = "kvzip"
@@ -82,6 +110,7 @@ class KVzip(ScorePolicy):
     max_queries: int = 1024
     repeat: bool = True
     kernel_size: int = 3
+    share: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +134,8 @@ class KVzip(ScorePolicy):
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
         scores = inputs.layers[layer].context_scores
         assert scores is not None  # check_inputs ran
+        if self.share:
+            scores = shared_scores(inputs).expand_as(scores)
         sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
         raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
         pooled = pool_scores(raw, self.kernel_size, "maxpool")

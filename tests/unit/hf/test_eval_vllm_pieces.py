@@ -133,3 +133,41 @@ def test_merge_keeps_a_repeated_baseline_once(tmp_path: Path) -> None:
         ("snapkv", 1),
         ("kvzip", 1),
     }
+
+
+def test_save_mode_of_kvzip_uses_the_reconstruction_request() -> None:
+    from lmcompact.eval.vllm_runner import connector_extra, policy_label, uses_reconstruction
+
+    config = VllmEvalConfig(
+        policies=["kvzip", "snapkv"], policy_params={"kvzip": {"share": True, "kernel_size": 15}}
+    )
+    assert uses_reconstruction("save", "kvzip", config)
+    assert not uses_reconstruction("save", "snapkv", config)
+    assert not uses_reconstruction("load", "kvzip", config)
+    assert not uses_reconstruction("save", "kvzip", VllmEvalConfig(reconstruct=False))
+    assert policy_label("kvzip", config, True) == "kvzip+reconstruct(kernel_size=15,share=True)"
+    assert policy_label("snapkv", config, False) == "snapkv"
+    extra = connector_extra("save", "kvzip", 0.5, config, "ns")
+    assert extra["policy_params"] == {"share": True, "kernel_size": 15}
+    assert "policy_params" not in connector_extra("save", "snapkv", 0.5, config, "ns")
+    with pytest.raises(ValueError, match="not among the policies"):
+        VllmEvalConfig(policies=["snapkv"], policy_params={"kvzip": {}})
+
+
+def test_merge_accepts_an_earlier_merge() -> None:
+    row = {
+        "model": "m",
+        "task": "multi_needle",
+        "context": 2048,
+        "compact_on": "save",
+        "policy": "kvzip",
+        "budget": 0.5,
+        "sample": 0,
+        "question": 0,
+        "accuracy": 1.0,
+        "seconds": 1.0,
+    }
+    first = vllm_report.merge([{"command": "a", "config": {}, "samples": [row]}])
+    second = vllm_report.merge([first, {"command": "b", "config": {}, "samples": [row]}])
+    assert second["commands"] == ["a", "b"]
+    assert len(second["samples"]) == 1

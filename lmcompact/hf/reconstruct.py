@@ -1,0 +1,119 @@
+"""KVzip's context-reconstruction scores in transformers (the reference for the vLLM path).
+
+One forward pass reads ``context + repeat prompt + context`` (:func:`reconstruction_ids`);
+inside every attention layer the queries of the second copy are scored against the keys
+of the first with :func:`lmcompact.attention.scores.reconstruction_scores` (each key: the
+largest softmax weight any repeat query of its GQA group gives it), layer by layer, so
+only ``(Hkv, T)`` scores per layer are kept, never the queries. The first ``T`` positions
+of that pass are exactly a prefill of the context alone (causal attention), so its cache,
+cropped to ``T``, is the context's KV::
+
+    ids        [ context (T) | repeat prompt (r) | context again (T) ]
+    keys        0 ........ T-1                                   2T+r-1
+    queries                                     [ T+r ...... 2T+r-1 ] -> scores (Hkv, T)
+
+The vLLM connector computes the same scores from the same positions of a real engine
+request (``connectors/reconstruct.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lmcompact.attention.scores import reconstruction_scores
+from lmcompact.policies.kvzip import reconstruction_ids
+
+logger = logging.getLogger(__name__)
+
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+"""``(layer, queries (B, Hq, S, D), keys (B, Hkv, S, D))``, post-RoPE, after attention."""
+
+
+@dataclass
+class Reconstruction:
+    """Result of one reconstruction pass.
+
+    Attributes:
+        scores: ``(L, Hkv, T)`` float32 per-key scores of the context.
+        cache: The context's KV (the pass's cache cropped to ``T``).
+        context_len: ``T``.
+    """
+
+    scores: torch.Tensor
+    cache: DynamicCache
+    context_len: int
+
+
+@torch.no_grad()
+def reconstruct(
+    model: Any,
+    context_ids: list[int],
+    repeat_ids: list[int],
+    on_layer: LayerHook | None = None,
+    query_chunk: int = 128,
+) -> Reconstruction:
+    """Run the reconstruction pass of ``context_ids`` and score the context's keys.
+
+    Args:
+        model: A transformers causal LM (batch of one).
+        context_ids: The context, ``T`` token ids.
+        repeat_ids: The instruction between the copies (:data:`REPEAT_PROMPT` tokenized).
+        on_layer: Optional extra observer of each layer's post-RoPE queries and keys.
+        query_chunk: Repeat queries scored per block (memory ``Hq x chunk x 2T``).
+    """
+    ids = reconstruction_ids(context_ids, repeat_ids)
+    t = len(context_ids)
+    first = t + len(repeat_ids)
+    positions = torch.arange(first, len(ids))
+    scores: dict[int, torch.Tensor] = {}
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        layer = int(getattr(module, "layer_idx"))  # noqa: B009 (an int attribute, untyped)
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        scores[layer] = reconstruction_scores(
+            query[:, :, first:],
+            key,
+            positions,
+            t,
+            scale=scale,
+            query_chunk=query_chunk,
+        )[0]
+        if on_layer is not None:
+            on_layer(layer, query, key)
+        return out, None
+
+    name = f"lmcompact_reconstruct_{uuid.uuid4().hex[:8]}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        model.set_attn_implementation(previous)
+    cache.crop(t - len(ids))  # drop the repeat and the second copy
+    stacked = torch.stack([scores[i] for i in sorted(scores)])
+    logger.debug("reconstruction pass over %d tokens scored %d layers", len(ids), len(scores))
+    return Reconstruction(scores=stacked, cache=cache, context_len=t)
