@@ -33,6 +33,9 @@ from lmcompact.policies import (
 from lmcompact.store import StoreConfig
 
 TIERS = ("cpu", "redis")
+CUDA_GRAPHS = ("piecewise", "full")
+"""Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
+
 COMPACT_ON = ("save", "load")
 UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
 BUDGET_TOLERANCE = 0.1
@@ -108,6 +111,12 @@ class ConnectorConfig:
             prefill packs them in place with the policy, its window being that request's
             tail (its question); needs :class:`LMCompactMemoryConnector` with a compacting
             ``memory.prefill`` mode.
+        cuda_graphs: how compacted requests run under CUDA graphs. ``"piecewise"`` (the
+            default): the connector asks vLLM for piecewise graphs and cuts holes out of
+            the attention metadata inside each attention call (checked on the H200).
+            ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
+            the runner's input buffers (vLLM 0.26's V2 GPU runner; experimental: not yet
+            checked on a GPU, see docs/benchmarks/serve-h200.md).
     """
 
     policy: str = "none"
@@ -124,6 +133,7 @@ class ConnectorConfig:
     async_save: bool = True
     model_id: str | None = None
     compact_on: str = "save"
+    cuda_graphs: str = "piecewise"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -196,6 +206,10 @@ class ConnectorConfig:
         need(
             self.compact_on in COMPACT_ON,
             f"compact_on must be one of {list(COMPACT_ON)}, got {self.compact_on!r}",
+        )
+        need(
+            self.cuda_graphs in CUDA_GRAPHS,
+            f"cuda_graphs must be one of {list(CUDA_GRAPHS)}, got {self.cuda_graphs!r}",
         )
         self.make_policy()  # unknown policy or bad parameters raise here
         self.store_config()

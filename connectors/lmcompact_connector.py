@@ -260,9 +260,10 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Holes are cut in the runner's input buffers, which full decode graphs read
-        # (shim.hook_step_tables); steps that capture queries run eagerly on their own.
-        return False
+        # "piecewise": holes are cut inside attention calls, which full graphs skip;
+        # "full": they are cut in the runner's input buffers (shim.hook_step_tables)
+        graphs = extra_config.get("cuda_graphs") if isinstance(extra_config, dict) else None
+        return graphs != "full"
 
     @property
     def lmcompact_step_editor(self) -> WorkerHalf | None:

@@ -157,13 +157,19 @@ class WorkerHalf:
         need it); sliding-window layers need a cut of their own per layer kind, which only
         the per-layer path makes, so with them full graphs are refused."""
         self.full_graphs = shim.full_cudagraphs(self.vllm_config)
-        self.cut_at_build = not self.sliding_layers and shim.hook_step_tables()
+        self.cut_at_build = (
+            self.config.cuda_graphs == "full"
+            and not self.sliding_layers
+            and shim.hook_step_tables()
+        )
         if self.full_graphs and not self.cut_at_build:
             why = (
                 f"the model has {len(self.sliding_layers)} sliding-window layers, whose "
                 "windows are cut per layer inside attention"
                 if self.sliding_layers
                 else f"this vLLM ({shim.vllm_version()}) has no runner hook for hole cuts"
+                if self.config.cuda_graphs == "full"
+                else 'kv_connector_extra_config "cuda_graphs" is "piecewise"'
             )
             raise ValueError(
                 f"LMCompactConnector cannot run with full CUDA graphs here: {why}, which a "

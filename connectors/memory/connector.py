@@ -240,6 +240,8 @@ class LMCompactMemoryConnector(LMCompactConnector):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # per-head counts and H2O decode work inside every attention call, decode included
+        if super().requires_piecewise_for_cudagraph(extra_config):
+            return True
         memory = extra_config.get("memory") if isinstance(extra_config, dict) else None
         if not isinstance(memory, dict):
             return False

@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warm-up", action="store_true", help="skip start-up warm-up")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     parser.add_argument(
+        "--cuda-graphs",
+        choices=("piecewise", "full"),
+        default="piecewise",
+        help="the connector's cuda_graphs option for the compacted runs",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -223,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         def show(name: str, result: dict[str, Any]) -> None:
             print(format_table([_row(name, result)]), file=sys.stderr, flush=True)
 
-        plans = budget_plans(args.policy, budgets, args.window, memory)
+        options = {"cuda_graphs": args.cuda_graphs}
+        plans = budget_plans(args.policy, budgets, args.window, memory, options)
         runs = run_plans("serve", workload, plans, Path(scratch), show)
 
     base = runs["baseline"]

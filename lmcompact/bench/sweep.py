@@ -38,9 +38,14 @@ def parse_budgets(text: str) -> list[str]:
 
 
 def budget_plans(
-    policy: str, budgets: list[str], window: int, memory: dict[str, Any]
+    policy: str,
+    budgets: list[str],
+    window: int,
+    memory: dict[str, Any],
+    options: dict[str, Any] | None = None,
 ) -> list[Plan]:
-    """The baseline, then per budget ``policy`` packed in place (no store)."""
+    """The baseline, then per budget ``policy`` packed in place (no store); ``options``
+    are further connector options (e.g. ``cuda_graphs``)."""
     plans: list[Plan] = [("baseline", None)]
     for b in budgets:
         extra = {
@@ -50,6 +55,7 @@ def budget_plans(
             "load": False,
             "window": window,
             "memory": memory,
+            **(options or {}),
         }
         plans.append((b, extra))
     return plans
