@@ -21,6 +21,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from types import FrameType
@@ -460,8 +461,7 @@ def hook_step_tables() -> bool:
         for_capture: bool = False,
         **kwargs: Any,
     ) -> Any:
-        editor = _active_editor()
-        if editor is None:
+        with _cut_attention_inputs(state, input_batch, block_tables, for_capture):
             return prepare(
                 state,
                 input_batch,
@@ -471,38 +471,43 @@ def hook_step_tables() -> bool:
                 for_capture=for_capture,
                 **kwargs,
             )
-        logical = input_batch.seq_lens
-        attention = _attention_seq_lens(state, logical)
-        upper_uncut = input_batch.seq_lens_cpu_upper_bound
-        upper = None
-        if not for_capture:
-            upper = editor.edit_tables(
-                list(input_batch.req_ids[: input_batch.num_reqs]),
-                tuple(block_tables),
-                attention,
-                upper_uncut,
-            )
-        input_batch.seq_lens = attention
-        if upper is not None:
-            input_batch.seq_lens_cpu_upper_bound = upper  # max_seq_len of the cut rows
-        try:
-            return prepare(
-                state,
-                input_batch,
-                cudagraph_mode,
-                block_tables,
-                *args,
-                for_capture=for_capture,
-                **kwargs,
-            )
-        finally:
-            input_batch.seq_lens = logical
-            input_batch.seq_lens_cpu_upper_bound = upper_uncut
 
     runner_class.execute_model = execute_model
     state_class.prepare_attn = prepare_attn
     runner_class._lmcompact_hooked = True
     return True
+
+
+@contextmanager
+def _cut_attention_inputs(
+    state: Any, input_batch: Any, block_tables: tuple[torch.Tensor, ...], for_capture: bool
+) -> Iterator[None]:
+    """While the step's attention metadata is built: key lengths from the connector's own
+    buffer, cut with the block tables (not during graph capture); unchanged without an
+    lmcompact connector."""
+    editor = _active_editor()
+    if editor is None:
+        yield
+        return
+    logical = input_batch.seq_lens
+    upper_uncut = input_batch.seq_lens_cpu_upper_bound
+    attention = _attention_seq_lens(state, logical)
+    upper = None
+    if not for_capture:
+        upper = editor.edit_tables(
+            list(input_batch.req_ids[: input_batch.num_reqs]),
+            tuple(block_tables),
+            attention,
+            upper_uncut,
+        )
+    input_batch.seq_lens = attention
+    if upper is not None:
+        input_batch.seq_lens_cpu_upper_bound = upper  # max_seq_len of the cut rows
+    try:
+        yield
+    finally:
+        input_batch.seq_lens = logical
+        input_batch.seq_lens_cpu_upper_bound = upper_uncut
 
 
 def _attention_seq_lens(state: Any, logical: torch.Tensor) -> torch.Tensor:
