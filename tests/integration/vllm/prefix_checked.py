@@ -28,7 +28,7 @@ from typing import Any
 
 from connectors import vllm_shim as shim
 from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
-from connectors.memory.connector import LMCompactMemoryConnector, MemoryMetadata
+from connectors.memory.connector import LMCompactMemoryConnector
 
 
 class PrefixChecks:
@@ -101,7 +101,10 @@ class PrefixChecks:
         self.steps_checked += 1
 
 
-class PrefixCheckedConnector(PrefixChecks, LMCompactConnector):
+class _CheckedSteps(PrefixChecks):
+    """Records vLLM's own hits and checks every step's metadata; mixed in before a
+    connector class (its ``super()`` calls reach the connector)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_checks()
@@ -110,26 +113,20 @@ class PrefixCheckedConnector(PrefixChecks, LMCompactConnector):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self.record_local_hit(request, num_computed_tokens)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(  # type: ignore[misc]
+            request, num_computed_tokens
+        )
+        return result
 
-    def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
-        meta = super().build_connector_meta(scheduler_output)
-        self.check_step(meta, scheduler_output, self._scheduler().kept)
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        self.check_step(meta, scheduler_output, self._scheduler().kept)  # type: ignore[attr-defined]
         return meta
 
 
-class PrefixCheckedMemoryConnector(PrefixChecks, LMCompactMemoryConnector):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_checks()
+class PrefixCheckedConnector(_CheckedSteps, LMCompactConnector):
+    pass
 
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        self.record_local_hit(request, num_computed_tokens)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> MemoryMetadata:
-        meta = super().build_connector_meta(scheduler_output)
-        self.check_step(meta, scheduler_output, self._scheduler().kept)
-        return meta
+class PrefixCheckedMemoryConnector(_CheckedSteps, LMCompactMemoryConnector):
+    pass
