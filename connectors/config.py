@@ -5,39 +5,60 @@ Example ``--kv-transfer-config``::
     {"kv_connector": "LMCompactConnector",
      "kv_connector_module_path": "connectors.lmcompact_connector",
      "kv_role": "kv_both",
-     "kv_connector_extra_config": {"policy": "snapkv", "budget": 0.5, "chunk_size": 256,
-                                   "tiers": ["cpu", "redis"], "cpu_capacity_mb": 2048,
-                                   "redis_url": "redis://127.0.0.1:6379/0"}}
+     "kv_connector_extra_config": {
+         "policy": "snapkv", "budget": 0.5,
+         "store": {"chunk_size": 256, "tiers": ["cpu", "redis"], "cpu_capacity_mb": 2048,
+                   "redis_url": "redis://127.0.0.1:6379/0"},
+         "release": {"prefill": "pack", "decode_budget_tokens": 512}}}
 
-Engine-dependent checks (chunk size versus block size, prefix caching with a compacting
-policy, policy shape) run in :func:`validate_against_engine` once the engine is known.
+Three groups: the policy (top level: ``policy``, ``budget``, ``policy_params``, ``window``,
+``cuda_graphs``), ``store`` (:class:`StoreOptions`: compacted prefixes saved to and loaded
+from the tiers; ``"store": false`` turns it off) and ``release`` (:class:`ReleaseOptions`:
+prompts packed in place and their dropped blocks given back to vLLM; off unless given). Any
+combination works. Old spellings still accepted: the store options at the top level, and
+``"memory"`` for ``"release"`` (one deprecation line in the log).
+
+Engine-dependent checks (chunk size versus block size, budget geometry, policy shape) run in
+:func:`connectors.engine_checks.validate_against_engine` once the engine is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from lmcompact.policies import (
-    Budget,
-    CompactionInputs,
-    CompactionPolicy,
-    LayerObservation,
-    Need,
-    make_policy,
+from connectors.memory.config import MEMORY_KEY, RELEASE_KEY, ReleaseOptions
+from connectors.memory.planner import PrefillMode
+from connectors.options import (
+    boolean,
+    choice,
+    integer,
+    mapping,
+    names,
+    number,
+    option,
+    parse,
+    text,
 )
+from lmcompact.policies import Budget, CompactionPolicy, Need, make_policy
 from lmcompact.store import StoreConfig
 
+logger = logging.getLogger(__name__)
+
+EXTRA = "kv_connector_extra_config"
+STORE_KEY = "store"
 TIERS = ("cpu", "redis")
 CUDA_GRAPHS = ("piecewise", "full")
 """Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
 
 COMPACT_ON = ("save", "load")
-UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
+PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
+"""Inputs the in-place pack (:func:`connectors.memory.packing.plan_pack`) does not compute."""
+
 BUDGET_TOLERANCE = 0.1
 """A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
 
@@ -47,55 +68,13 @@ def kept_blocks(budget: float, blocks: int) -> int:
     return min(blocks, max(1, round(budget * blocks)))
 
 
-def honours(budget: float, blocks: int) -> bool:
-    """Whether keeping whole blocks of ``blocks`` can honour ``budget`` (within tolerance)."""
-    return abs(kept_blocks(budget, blocks) / blocks - budget) <= BUDGET_TOLERANCE * budget
-
-
-def check_budget_geometry(budget: float, chunk_size: int, block_size: int) -> None:
-    """ValueError naming the possible budgets when whole blocks cannot honour ``budget``.
-
-    A chunk of ``chunk_size / block_size`` blocks keeps a whole number of them, so the
-    kept fraction moves in steps of one block: with block 128 and chunk 256 only 0.5 and 1
-    exist, and 0.25 or 0.1 would silently keep half.
-    """
-    blocks = chunk_size // block_size
-    if honours(budget, blocks):
-        return
-    possible = [k / blocks for k in range(1, blocks + 1)]
-    nearest = min(possible, key=lambda f: abs(f - budget))
-    shown = ", ".join(f"{f:g}" for f in possible[:8]) + (", ..." if blocks > 8 else "")
-    larger = next((m for m in range(blocks + 1, 64 * blocks + 1) if honours(budget, m)), None)
-    hint = (
-        f"; or chunk_size {larger * block_size} ({larger} blocks) keeps "
-        f"{kept_blocks(budget, larger) / larger:g}"
-        if larger is not None
-        else ""
-    )
-    raise ValueError(
-        f"budget {budget:g} cannot be honoured with chunk_size {chunk_size} and block size "
-        f"{block_size}: a chunk of {blocks} block(s) keeps whole blocks, so the possible "
-        f"budgets are {shown} (the nearest, {nearest:g}, is more than "
-        f"{BUDGET_TOLERANCE:.0%} away); set budget to one of them{hint}"
-    )
-
-
 @dataclass(frozen=True)
-class ConnectorConfig:
-    """Validated connector options.
+class StoreOptions:
+    """The ``"store"`` group: compacted prefixes saved to and loaded from the tiers.
 
     Attributes:
-        policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
-            the full KV and is exact.
-        policy_params: the policy's hyper-parameters besides the budget.
-        budget: kept fraction per chunk, in (0, 1]; kept as whole KV blocks, so the engine
-            refuses a budget the chunk's block count cannot honour within 10% (the error
-            names the possible values).
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
-        window: observation-window queries (the prompt's last ``window`` tokens) captured for
-            score-based policies (and Expected Attention's query statistics); ``kvzip``
-            also captures its own sample of queries across the prompt.
-        tiers: store tiers, fastest first, from ``("cpu", "redis")``.
+        tiers: store tiers, fastest first, from ``("cpu", "redis")`` (a comma list works).
         cpu_capacity_mb: CPU tier size in MiB.
         redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
         redis_ttl_s: lifetime of Redis entries; None keeps them until Redis evicts.
@@ -109,121 +88,154 @@ class ConnectorConfig:
             stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
             ``none``, never mixed with compacted entries) and the loading request's own
             prefill packs them in place with the policy, its window being that request's
-            tail (its question); needs :class:`LMCompactMemoryConnector` with a compacting
-            ``memory.prefill`` mode.
+            tail (its question); needs the ``"release"`` group with a compacting
+            ``prefill`` mode.
+    """
+
+    chunk_size: int = option(
+        256, integer(1, allowed="a positive int (a multiple of the block size)")
+    )
+    tiers: tuple[str, ...] = option(("cpu",), names(TIERS))
+    cpu_capacity_mb: int = option(1024, integer(1))
+    redis_url: str | None = option(None, text(nullable=True, allowed="a redis:// URL"))
+    redis_ttl_s: float | None = option(None, number(above=0, nullable=True, allowed="seconds > 0"))
+    save: bool = option(True, boolean())
+    load: bool = option(True, boolean())
+    async_save: bool = option(True, boolean())
+    model_id: str | None = option(None, text(nullable=True))
+    compact_on: str = option("save", choice(COMPACT_ON))
+
+    def __post_init__(self) -> None:
+        if ("redis" in self.tiers) != (self.redis_url is not None):
+            raise ValueError(
+                f"redis_url must be set exactly when 'redis' is a tier; "
+                f"tiers={list(self.tiers)}, redis_url={self.redis_url!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the store path runs at all (saves or loads)."""
+        return self.save or self.load
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            cpu_capacity_bytes=self.cpu_capacity_mb << 20 if "cpu" in self.tiers else None,
+            redis_url=self.redis_url if "redis" in self.tiers else None,
+            redis_ttl_s=self.redis_ttl_s,
+        )
+
+
+STORE_OPTIONS = frozenset(f.name for f in dataclasses.fields(StoreOptions))
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector options: the policy, and the ``store`` and ``release`` groups.
+
+    Attributes:
+        policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
+            the full KV and is exact.
+        policy_params: the policy's hyper-parameters besides the budget.
+        budget: kept fraction, in (0, 1]; kept as whole KV blocks, so the engine refuses a
+            budget a stored chunk's block count cannot honour within 10% (the error names
+            the possible values).
+        window: observation-window queries (the prompt's last ``window`` tokens) captured for
+            score-based policies (and Expected Attention's query statistics); ``kvzip``
+            also captures its own sample of queries across the prompt.
         cuda_graphs: how compacted requests run under CUDA graphs. ``"piecewise"`` (the
             default): the connector asks vLLM for piecewise graphs and cuts holes out of
             the attention metadata inside each attention call (checked on the H200).
             ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
             the runner's input buffers (vLLM 0.26's V2 GPU runner; experimental: not yet
             checked on a GPU, see docs/benchmarks/serve-h200.md).
+        store: the ``"store"`` group (:class:`StoreOptions`).
+        release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
     """
 
-    policy: str = "none"
-    policy_params: Mapping[str, Any] = field(default_factory=dict)
-    budget: float = 0.5
-    chunk_size: int = 256
-    window: int = 32
-    tiers: tuple[str, ...] = ("cpu",)
-    cpu_capacity_mb: int = 1024
-    redis_url: str | None = None
-    redis_ttl_s: float | None = None
-    save: bool = True
-    load: bool = True
-    async_save: bool = True
-    model_id: str | None = None
-    compact_on: str = "save"
-    cuda_graphs: str = "piecewise"
+    policy: str = option("none", text(allowed="a policy name"))
+    policy_params: Mapping[str, Any] = option(None, mapping(), factory=dict)
+    budget: float = option(0.5, number(above=0, at_most=1, allowed="a kept fraction in (0, 1]"))
+    window: int = option(32, integer(0))
+    cuda_graphs: str = option("piecewise", choice(CUDA_GRAPHS))
+    store: StoreOptions = dataclasses.field(default_factory=StoreOptions)
+    release: ReleaseOptions | None = None
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Parse ``kv_connector_extra_config``; ValueError names the bad key or value."""
-        extra = dict(extra or {})
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - allowed)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; allowed: {sorted(allowed)}"
-            )
-        if "tiers" in extra:
-            tiers = extra["tiers"]
-            if isinstance(tiers, str):
-                tiers = [t.strip() for t in tiers.split(",") if t.strip()]
-            extra["tiers"] = tuple(tiers)
-        config = cls(**extra)
-        config.validate()
+    def from_extra(
+        cls, extra: Mapping[str, Any] | None, *, release: bool = False
+    ) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; ValueError names the bad key or value.
+
+        Args:
+            extra: the user's options (groups, or the old flat spelling).
+            release: whether the release group is on when the options do not say
+                (``LMCompactMemoryConnector``, the old name, turns it on).
+        """
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"{EXTRA} must be an object, got {extra!r}")
+        top = dict(extra or {})
+        store = _store_group(top)
+        group = _release_group(top, release)
+        config = parse(cls, top, EXTRA, store=store, release=group)
         return config
 
-    def validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        need(
-            isinstance(self.policy, str) and bool(self.policy),
-            f"policy must be a policy name, got {self.policy!r}",
-        )
-        need(
-            isinstance(self.policy_params, Mapping),
-            f"policy_params must be a mapping, got {self.policy_params!r}",
-        )
-        need(
-            not isinstance(self.budget, bool)
-            and isinstance(self.budget, (int, float))
-            and 0.0 < float(self.budget) <= 1.0,
-            f"budget must be a kept fraction in (0, 1], got {self.budget!r}",
-        )
-        need(
-            isinstance(self.chunk_size, int) and self.chunk_size > 0,
-            f"chunk_size must be a positive int (a multiple of the block size), "
-            f"got {self.chunk_size!r}",
-        )
-        need(
-            isinstance(self.window, int) and self.window >= 0,
-            f"window must be an int >= 0, got {self.window!r}",
-        )
-        need(
-            bool(self.tiers)
-            and all(t in TIERS for t in self.tiers)
-            and len(set(self.tiers)) == len(self.tiers),
-            f"tiers must be a non-empty list of distinct names from {list(TIERS)}, "
-            f"got {list(self.tiers)!r}",
-        )
-        need(
-            isinstance(self.cpu_capacity_mb, int) and self.cpu_capacity_mb > 0,
-            f"cpu_capacity_mb must be a positive int, got {self.cpu_capacity_mb!r}",
-        )
-        need(
-            ("redis" in self.tiers) == (self.redis_url is not None),
-            f"redis_url must be set exactly when 'redis' is a tier; tiers={list(self.tiers)}, "
-            f"redis_url={self.redis_url!r}",
-        )
-        for name in ("save", "load", "async_save"):
-            need(
-                isinstance(getattr(self, name), bool),
-                f"{name} must be true or false, got {getattr(self, name)!r}",
+    def __post_init__(self) -> None:
+        """Checks that relate the policy and the groups (none needs the engine)."""
+        policy = self.make_policy()  # unknown policy or bad parameters raise here
+        load_packs = self.compacts and self.store.compact_on == "load"
+        if self.release is None:
+            if load_packs:
+                raise ValueError(
+                    "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                    "request's prefill, but the connector packs prompts in place only with a "
+                    '"release" group; add "release": {"prefill": "auto"}'
+                )
+            return
+        mode = self.release_mode
+        g = self.release.group
+        if load_packs and mode is PrefillMode.OFF:
+            raise ValueError(
+                "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                f"request's prefill: {g}.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
             )
-        need(
-            self.compact_on in COMPACT_ON,
-            f"compact_on must be one of {list(COMPACT_ON)}, got {self.compact_on!r}",
-        )
-        need(
-            self.cuda_graphs in CUDA_GRAPHS,
-            f"cuda_graphs must be one of {list(CUDA_GRAPHS)}, got {self.cuda_graphs!r}",
-        )
-        self.make_policy()  # unknown policy or bad parameters raise here
-        self.store_config()
+        unpackable = policy.needs & PACK_UNSUPPORTED
+        if self.compacts and mode is PrefillMode.PACK and unpackable:
+            raise ValueError(
+                f"policy {self.policy!r} needs {unpackable}, which the in-place pack does not "
+                "compute (it scores with keys and the window's attention, the question being "
+                "inside the observation window); use it on the store path (compact_on 'save', "
+                f"{g}.prefill 'off') or pack with snapkv, knorm, tova, streaming_llm"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
+    def release_mode(self) -> PrefillMode:
+        """What the release group does when a prefill ends (OFF without the group)."""
+        if self.release is None:
+            return PrefillMode.OFF
+        return self.release.prefill_mode(self.policy, self.compacts)
+
+    @property
+    def per_head_counts(self) -> bool:
+        """Whether (layer, head) counts may differ (``release.per_head``: padding masked)."""
+        return self.release is not None and self.release.per_head is not None
+
+    @property
+    def needs_piecewise(self) -> bool:
+        """Whether vLLM must run piecewise CUDA graphs (see ``cuda_graphs``)."""
+        return self.cuda_graphs != "full" or (
+            self.release is not None and self.release.needs_piecewise
+        )
+
+    @property
     def compacts(self) -> bool:
-        """True when stored chunks may hold fewer tokens than they cover."""
+        """True when the policy drops tokens (stored chunks, or packed prompts)."""
         return self.policy != "none" and float(self.budget) < 1.0
 
     @property
     def store_compacts(self) -> bool:
         """True when the store holds compacted chunks (``compact_on`` ``"save"``)."""
-        return self.compacts and self.compact_on == "save"
+        return self.compacts and self.store.compact_on == "save"
 
     def make_policy(self) -> CompactionPolicy:
         params = dict(self.policy_params)
@@ -251,119 +263,66 @@ class ConnectorConfig:
         params["budget"] = float(self.budget)
         return params
 
-    def store_config(self) -> StoreConfig:
-        return StoreConfig(
-            cpu_capacity_bytes=self.cpu_capacity_mb << 20 if "cpu" in self.tiers else None,
-            redis_url=self.redis_url if "redis" in self.tiers else None,
-            redis_ttl_s=self.redis_ttl_s,
-        )
-
     def kept_per_chunk(self, block_size: int) -> int:
         """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
         (>= 1); the whole chunk when chunks are stored uncompacted.
 
-        :func:`validate_against_engine` refuses a budget this rounding would change by more
-        than :data:`BUDGET_TOLERANCE` (when the store path is on).
+        :func:`connectors.engine_checks.validate_against_engine` refuses a budget this
+        rounding would change by more than :data:`BUDGET_TOLERANCE` (when the store path is
+        on).
         """
+        chunk = self.store.chunk_size
         if not self.store_compacts:
-            return self.chunk_size
-        return kept_blocks(float(self.budget), self.chunk_size // block_size) * block_size
+            return chunk
+        return kept_blocks(float(self.budget), chunk // block_size) * block_size
 
 
-def validate_against_engine(
-    config: ConnectorConfig,
-    *,
-    block_size: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    per_head_counts: bool = False,
-) -> None:
-    """Checks that need the engine: ValueError with the bad value and what is allowed.
-
-    A compacting policy must (1) keep the same number of tokens in every (layer, head),
-    because attention skips one block-aligned hole per request (unless ``per_head_counts``:
-    the memory connector's ``per_head`` option pads and masks), and (2) need only inputs
-    the connector captures. vLLM's prefix caching may stay on: compacted blocks are kept
-    out of its cache (:class:`connectors.memory.blocks.PrefixCacheGuard`).
-    """
-    if config.chunk_size % block_size:
-        allowed = ", ".join(str(block_size * k) for k in (2, 4, 8, 16))
+def _store_group(top: dict[str, Any]) -> StoreOptions:
+    """Pop the store options from ``top``: the ``"store"`` group, or (old spelling) the
+    store keys at the top level; ``"store": false`` keeps the store path off."""
+    flat = {key: top.pop(key) for key in sorted(STORE_OPTIONS & set(top))}
+    if STORE_KEY not in top:
+        return parse(StoreOptions, flat, STORE_KEY)
+    group = top.pop(STORE_KEY)
+    if flat:
         raise ValueError(
-            f"chunk_size {config.chunk_size} must be a multiple of the engine block size "
-            f"{block_size} (e.g. {allowed})"
+            f'{sorted(flat)} given both at the top level and with a "store" group: give the '
+            'store options inside "store" only'
         )
-    if not config.compacts:
-        return
-    if config.store_compacts and (config.save or config.load):
-        # chunks stored whole (compact_on "load") are packed per prompt, checked there
-        check_budget_geometry(float(config.budget), config.chunk_size, block_size)
-    policy = config.make_policy()
-    missing = policy.needs & UNSUPPORTED_NEEDS
-    if missing:
-        raise ValueError(
-            f"policy {config.policy!r} needs {missing}, which the vLLM connector does not "
-            "capture (it sees the observation window's queries and the keys/values); "
-            "allowed: policies needing KEYS, WINDOW_SCORES, WINDOW_ATTENTION, WINDOW_QUERIES "
-            "or CONTEXT_SCORES"
-        )
-    if policy.needs & (Need.WINDOW_QUERIES | Need.WINDOW_SCORES | Need.WINDOW_ATTENTION) and (
-        config.window < 1
-    ):
-        raise ValueError(
-            f"policy {config.policy!r} reads the observation window's queries; window must be "
-            f">= 1 (default 32), got {config.window}"
-        )
-    if per_head_counts:
-        return
-    # the count the policy must honour per chunk, whether it runs at save or at load
-    kept = dataclasses.replace(config, compact_on="save").kept_per_chunk(block_size)
-    plan = policy.plan(probe_inputs(config, policy, num_layers, num_kv_heads, head_dim, kept))
-    counts = plan.kept_counts()
-    if not bool((counts == kept).all()):
-        raise ValueError(
-            f"policy {config.policy!r} keeps different numbers of tokens per head or layer, or "
-            f"not the asked number (min {int(counts.min())}, max {int(counts.max())}, asked "
-            f"{kept} per chunk); the "
-            "vLLM connector needs the same count everywhere (attention skips one "
-            "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
-            "knorm, tova, random, kvzip, expected_attention; per-head policies run with "
-            "LMCompactMemoryConnector's "
-            'memory option "per_head"'
-        )
+    if group is False:
+        return StoreOptions(save=False, load=False)
+    if group is True or group is None:
+        return StoreOptions()
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{EXTRA}.store must be an object, true or false, got {group!r}")
+    return parse(StoreOptions, group, STORE_KEY, prefix="store.")
 
 
-def probe_inputs(
-    config: ConnectorConfig,
-    policy: CompactionPolicy,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    kept: int,
-) -> CompactionInputs:
-    """Synthetic inputs of the engine's shape, to check a policy's plan shape at start-up."""
-    gen = torch.Generator().manual_seed(0)
-    t = config.chunk_size
-    window = max(1, min(config.window, t))
-    layers = []
-    for _ in range(num_layers):
-        keys = torch.randn(num_kv_heads, t, head_dim, generator=gen)
-        scores = torch.rand(num_kv_heads, t, generator=gen)
-        attention = torch.rand(num_kv_heads, window, t, generator=gen)
-        layers.append(
-            LayerObservation(
-                keys=keys,
-                values=torch.randn_like(keys),
-                window_scores=scores,
-                window_attention=attention,
-                context_scores=torch.rand(num_kv_heads, t, generator=gen),
-                window_queries=torch.randn(num_kv_heads, window, head_dim, generator=gen),
-            )
-        )
-    return CompactionInputs(
-        t,
-        num_kv_heads,
-        layers,
-        budget_tokens=kept,
-        query_positions=torch.arange(t, t + window),
+def _release_group(top: dict[str, Any], default: bool) -> ReleaseOptions | None:
+    """Pop the ``"release"`` group (or the old ``"memory"``) from ``top``; None when off."""
+    if RELEASE_KEY in top and MEMORY_KEY in top:
+        raise ValueError(f'give "{RELEASE_KEY}" only ("{MEMORY_KEY}" is its old name), not both')
+    key = MEMORY_KEY if MEMORY_KEY in top else RELEASE_KEY
+    if key not in top:
+        return ReleaseOptions() if default else None
+    if key == MEMORY_KEY:
+        _log_deprecated(MEMORY_KEY, RELEASE_KEY)
+    group = top.pop(key)
+    if group is False or (group is None and not default):
+        return None
+    if group is True or group is None:
+        return ReleaseOptions(group=key)
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{EXTRA}.{key} must be an object, true or false, got {group!r}")
+    return parse(ReleaseOptions, group, key, prefix=f"{key}.", group=key)
+
+
+@functools.cache
+def _log_deprecated(old: str, new: str) -> None:
+    """One deprecation line per process and spelling."""
+    logger.warning(
+        '%s "%s" is the old name of the "%s" option group; it still works for this release',
+        EXTRA,
+        old,
+        new,
     )

@@ -141,13 +141,13 @@ class SchedulerHalf:
             return None
         if t is None:
             return None
-        if not self.config.save or Need.CONTEXT_SCORES not in self.policy.needs:
+        if not self.config.store.save or Need.CONTEXT_SCORES not in self.policy.needs:
             logger.error(
                 "request %s asks for a reconstruction pass, but policy %r (save=%s) does not "
                 "store chunks scored by one; served as a plain request, nothing stored",
                 request.request_id,
                 self.config.store_policy_name,
-                self.config.save,
+                self.config.store.save,
             )
             return None
         logger.info(
@@ -214,8 +214,8 @@ class SchedulerHalf:
         while the next chunk's save is in flight (vLLM asks again on a later step)."""
         tracked = self._track(request)
         tracked.pending, tracked.confirmed = 0, False
-        c = self.config.chunk_size
-        if not self.config.load or num_computed % c or tracked.reconstruct is not None:
+        c = self.config.store.chunk_size
+        if not self.config.store.load or num_computed % c or tracked.reconstruct is not None:
             return 0  # a reconstruction pass computes its whole prompt itself
         first = num_computed // c
         last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
@@ -243,7 +243,7 @@ class SchedulerHalf:
         tracked = self._requests.get(req_id)
         if tracked is None or not (tracked.confirmed and tracked.pending):
             return None
-        if self.kept >= self.config.chunk_size:
+        if self.kept >= self.config.store.chunk_size:
             return None
         return tracked.pending_start
 
@@ -312,7 +312,7 @@ class SchedulerHalf:
 
     def _start(self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata) -> None:
         """A request got (new) blocks: emit its load, if confirmed, and its hole."""
-        c, bs = self.config.chunk_size, self.facts.block_size
+        c, bs = self.config.store.chunk_size, self.facts.block_size
         tracked.hole = None
         # chunks vLLM's own prefix cache served hold the full KV in the request's blocks:
         # they are saved too (when the store lacks them), so a repeat finds them there
@@ -367,9 +367,9 @@ class SchedulerHalf:
     ) -> None:
         """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""
-        if not self.config.save or tracked.saved:
+        if not self.config.store.save or tracked.saved:
             return
-        c, bs = self.config.chunk_size, self.facts.block_size
+        c, bs = self.config.store.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
         recon = tracked.reconstruct

@@ -309,6 +309,11 @@ def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
 
 
+def num_query_heads(layer: Any) -> int:
+    """Query heads of ``layer`` on this rank."""
+    return int(layer.impl.num_heads)
+
+
 def sliding_window(layer: Any) -> int | None:
     """Keys one query of ``layer`` attends to (itself included), or None for full attention.
 

@@ -72,7 +72,7 @@ class PrefixChecks:
                     )
             self._mark(job.req_id, first)
             self.packs_checked += 1
-        if kept < self.config.chunk_size:
+        if kept < self.config.store.chunk_size:
             for load in meta.step.loads:
                 self._mark(load.req_id, load.start // bs)
         for sched in shim.scheduled_requests(scheduler_output):

@@ -66,7 +66,7 @@ def test_connector_lines_in_engine_log(
         r"INFO .*\[lmcompact_connector\.py:\d+\] LMCompactConnector .*policy=snapkv "
         r"budget=0\.5 chunk=256 tiers=\['cpu'\]",
         r"INFO .*LMCompactConnector worker: 30 layers, .*policy snapkv, kept 128/256",
-        r"INFO .*LMCompactMemoryConnector .*prefill=pack",
+        r"INFO .*LMCompactConnector .* release: prefill=pack",
         # one line per compacted request: 18 full blocks packed to 9, 2 chunks stored
         r"INFO .*compacted \S+ in place: kept 288 of 576 prompt tokens",
         r"INFO .*stored \S+: 2/2 chunks, kept 256 of 512 tokens",

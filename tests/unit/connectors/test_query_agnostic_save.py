@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from connectors.compaction import SaveJob, compact_job
-from connectors.config import ConnectorConfig, validate_against_engine
+from connectors.config import ConnectorConfig
+from connectors.engine_checks import validate_against_engine
 from connectors.kv_layout import CpuPageLayout
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores

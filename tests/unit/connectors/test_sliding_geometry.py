@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from connectors.compaction import SaveJob, compact_job
-from connectors.config import ConnectorConfig, check_budget_geometry, validate_against_engine
+from connectors.config import ConnectorConfig
+from connectors.engine_checks import check_budget_geometry, validate_against_engine
 from connectors.holes import Hole, skip_holes
 from connectors.kv_layout import CpuPageLayout
-from connectors.memory.connector import pack_budget_honoured_from
 from connectors.memory.packing import plan_pack
 from connectors.memory.planner import HolePlanner, PrefillMode
+from connectors.memory.release import pack_budget_honoured_from
 from connectors.vllm_shim import sliding_window
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import make_policy
