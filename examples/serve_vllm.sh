@@ -25,7 +25,8 @@ KV_CONFIG=$(cat <<JSON
  "kv_connector_module_path": "connectors.lmcompact_connector",
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"policy": "${POLICY}", "budget": ${BUDGET},
-                               "chunk_size": 128, "tiers": ["cpu"], "cpu_capacity_mb": 512}}
+                               "store": {"chunk_size": 128, "tiers": ["cpu"],
+                                         "cpu_capacity_mb": 512}}}
 JSON
 )
 

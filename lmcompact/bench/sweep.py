@@ -51,10 +51,9 @@ def budget_plans(
         extra = {
             "policy": policy,
             "budget": float(b),
-            "save": False,
-            "load": False,
             "window": window,
-            "memory": memory,
+            "store": False,
+            "release": memory,
             **(options or {}),
         }
         plans.append((b, extra))

@@ -81,9 +81,8 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         "policy": args.policy,
         "budget": args.budget,
-        "chunk_size": args.chunk_size,
         "window": args.window,
-        "tiers": ["cpu"],
+        "store": {"chunk_size": args.chunk_size, "tiers": ["cpu"]},
     }
     try:  # bad options fail here, before the model and vLLM load
         check_extra_config("LMCompactConnector", extra)
