@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from connectors.compaction import uniform_keep
 from lmcompact.attention.scores import context_scores
 from lmcompact.eval import tasks
 from lmcompact.eval.text import text_stream
@@ -37,6 +36,7 @@ from lmcompact.hf.observe import rope_from_model
 from lmcompact.hf.reconstruct import reconstruct
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, make_policy
 from lmcompact.policies.kvzip import REPEAT_PROMPT, KVzip
+from lmcompact.vllm.compaction import uniform_keep
 
 
 def keep_indices(

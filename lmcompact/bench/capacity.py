@@ -79,7 +79,7 @@ def _settings(args: argparse.Namespace) -> dict[str, int]:
 
 def _child(spec_path: str) -> int:
     def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-        from connectors.memory.workload import Workload, run_workload
+        from lmcompact.bench.workload import Workload, run_workload
 
         return run_workload(Workload(**workload), extra)
 

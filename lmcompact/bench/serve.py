@@ -127,7 +127,7 @@ def shape_folder(shape: str, root: Path) -> Path:
 
 def _child(spec_path: str) -> int:
     def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-        from connectors.memory.serve_run import ServeWorkload, run_serve
+        from lmcompact.bench.serve_run import ServeWorkload, run_serve
 
         return run_serve(ServeWorkload(**workload), extra)
 

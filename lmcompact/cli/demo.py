@@ -75,8 +75,8 @@ def build_prompt(tokenizer: Any, context: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from connectors import offline
-    from connectors.preflight import check_extra_config
+    from lmcompact.vllm import offline
+    from lmcompact.vllm.preflight import check_extra_config
 
     extra = {
         "policy": args.policy,

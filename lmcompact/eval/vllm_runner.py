@@ -9,7 +9,7 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     question request (context + question) then loads the compacted prefix from the store
     and computes only its question. For a policy that reads context scores (``kvzip``) the
     first request is KVzip's reconstruction pass instead (``context + repeat prompt +
-    context``, :func:`connectors.reconstruct.store_context`; rows say
+    context``, :func:`lmcompact.vllm.reconstruct.store_context`; rows say
     ``store_request: "reconstruct"``): only the first copy's chunks are stored, compacted
     with the repeat's attention (``reconstruct=False`` stores the context alone, scored by
     its own sampled queries).
@@ -230,8 +230,8 @@ def run_cell(
     scoring its repeat; ``max_len`` caps the reconstruction prompt (the model's positions:
     a longer one repeats only the context's beginning).
     """
-    from connectors import offline
-    from connectors.reconstruct import REPEAT_PROMPT, store_context
+    from lmcompact.vllm import offline
+    from lmcompact.vllm.reconstruct import REPEAT_PROMPT, store_context
 
     repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
@@ -308,7 +308,7 @@ def model_positions(folder: str) -> int:
 def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
     """Every (model, context, cell); rows carry ``engine, model, policy, budget,
     compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
-    from connectors import offline
+    from lmcompact.vllm import offline
 
     offline.in_process_env(kv_cache_gib=1)
     from transformers import AutoTokenizer

@@ -13,7 +13,7 @@ cropped to ``T``, is the context's KV::
     queries                                     [ T+r ...... 2T+r-1 ] -> scores (Hkv, T)
 
 The vLLM connector computes the same scores from the same positions of a real engine
-request (``connectors/reconstruct.py``).
+request (``lmcompact/vllm/reconstruct.py``).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def engine(
     """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``) and vLLM's own token
     budget per step, through the one engine builder; ``overrides`` are ``LLM`` keywords."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from connectors.offline import engine as offline_engine
+    from lmcompact.vllm.offline import engine as offline_engine
 
     return offline_engine(
         str(model),
@@ -173,7 +173,7 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
 ) -> None:
     from transformers import LlamaForCausalLM
 
-    from connectors.memory.device_pack import DevicePacker
+    from lmcompact.vllm.memory.device_pack import DevicePacker
 
     recorded: list[torch.Tensor] = []
     original = DevicePacker.pack

@@ -1,7 +1,7 @@
 """The connector's INFO lines reach the engine's log, in-process and multiprocess.
 
 vLLM configures only its own ``vllm`` logger tree; the connector hands its package loggers
-vLLM's handlers when it is constructed (:func:`connectors.vllm_shim.share_engine_logging`).
+vLLM's handlers when it is constructed (:func:`lmcompact.vllm.vllm_shim.share_engine_logging`).
 Each case runs a real engine in a subprocess, as a user would, and reads its output.
 """
 
@@ -23,7 +23,7 @@ SCRIPT = """
 import sys
 from vllm import SamplingParams
 
-from connectors.offline import build_llm
+from lmcompact.vllm.offline import build_llm
 
 if __name__ == "__main__":
     extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": 256, "async_save": False,

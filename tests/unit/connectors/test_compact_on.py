@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.config import ConnectorConfig
-from connectors.engine_checks import validate_against_engine
-from connectors.lmcompact_connector import build_namespace
-from connectors.vllm_shim import EngineFacts
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.connector import build_namespace
+from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.vllm_shim import EngineFacts
 
 FACTS = EngineFacts(
     model_id="m",
@@ -64,8 +64,8 @@ def test_load_still_checks_the_policy_shape() -> None:
 
 
 def test_eval_modes_are_valid_connector_options() -> None:
-    from connectors.memory.planner import PrefillMode
     from lmcompact.eval.vllm_runner import MODES, VllmEvalConfig, connector_extra
+    from lmcompact.vllm.memory.planner import PrefillMode
 
     config = VllmEvalConfig()
     for mode in MODES:

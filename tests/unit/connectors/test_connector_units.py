@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.compaction import SaveJob, compact_job, observe_layer, uniform_keep
-from connectors.config import ConnectorConfig
-from connectors.engine_checks import validate_against_engine
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import CpuPageLayout, GpuPageLayout, make_layout
 from lmcompact.attention.scores import window_scores
 from lmcompact.policies import Need, make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
+from lmcompact.vllm.compaction import SaveJob, compact_job, observe_layer, uniform_keep
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import CpuPageLayout, GpuPageLayout, make_layout
 
 
 def engine_checks(config: ConnectorConfig, **overrides: object) -> None:

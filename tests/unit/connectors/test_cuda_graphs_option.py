@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.config import ConnectorConfig
-from connectors.lmcompact_connector import LMCompactConnector
-from connectors.memory.connector import LMCompactMemoryConnector
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.connector import LMCompactConnector, LMCompactMemoryConnector
 
 
 def test_default_is_piecewise_and_full_is_opt_in() -> None:

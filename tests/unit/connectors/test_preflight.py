@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.preflight import check_extra_config, check_transfer_config, transfer_config_arg
+from lmcompact.vllm.preflight import check_extra_config, check_transfer_config, transfer_config_arg
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,7 +68,14 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_launcher_rejects_bad_options_before_vllm() -> None:
     bad = _transfer("LMCompactConnector", {"policy": "snapkv", "budget": 1.5})
     done = _run(
-        ["-m", "connectors.vllm_launcher", "serve", "/no/such/model", "--kv-transfer-config", bad]
+        [
+            "-m",
+            "lmcompact.vllm.vllm_launcher",
+            "serve",
+            "/no/such/model",
+            "--kv-transfer-config",
+            bad,
+        ]
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "invalid --kv-transfer-config" in done.stderr and "budget" in done.stderr

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.memory.config import ReleaseOptions
-from connectors.memory.rank_packs import RankPacks
-from connectors.memory.release import refuse_under_tensor_parallel
-from connectors.metadata import StepMetadata, WorkerReport
-from connectors.options import parse
-from connectors.scheduler_side import SchedulerHalf
 from lmcompact.store import ChunkKeyer, CompactedChunk, StoreConfig, StoreNamespace, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.rank_packs import RankPacks
+from lmcompact.vllm.memory.release import refuse_under_tensor_parallel
+from lmcompact.vllm.metadata import StepMetadata, WorkerReport
+from lmcompact.vllm.options import parse
+from lmcompact.vllm.scheduler_side import SchedulerHalf
 
 CHUNK = 64
 

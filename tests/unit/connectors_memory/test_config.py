@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from connectors.config import ConnectorConfig, StoreOptions
-from connectors.memory.config import ReleaseOptions
-from connectors.memory.planner import PrefillMode
-from connectors.options import parse
+from lmcompact.vllm.config import ConnectorConfig, StoreOptions
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.planner import PrefillMode
+from lmcompact.vllm.options import parse
 
 
 def release(options: dict[str, Any] | None, group: str = "release") -> ReleaseOptions:
@@ -53,7 +53,7 @@ def test_store_group_or_flat_keys_and_store_off() -> None:
 
 
 def test_memory_is_the_old_name_of_release(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="connectors.config"):
+    with caplog.at_level(logging.WARNING, logger="lmcompact.vllm.config"):
         old = ConnectorConfig.from_extra(
             {"policy": "snapkv", "budget": 0.5, "memory": {"decode_budget_tokens": 256}}
         )
@@ -73,10 +73,10 @@ def test_memory_is_the_old_name_of_release(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_deprecation_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    from connectors.config import _log_deprecated
+    from lmcompact.vllm.config import _log_deprecated
 
     _log_deprecated.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="connectors.config"):
+    with caplog.at_level(logging.WARNING, logger="lmcompact.vllm.config"):
         for _ in range(3):
             ConnectorConfig.from_extra({"memory": {}})
     lines = [r for r in caplog.records if "old name" in r.getMessage()]

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import make_layout
-from connectors.memory.config import ReleaseOptions
-from connectors.memory.heavy_hitters import HeavyHitterScores, MergeJob, merge_heavy_hitters
-from connectors.memory.planner import HolePlanner, PrefillMode
-from connectors.options import parse
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores, MergeJob, merge_heavy_hitters
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.options import parse
 
 BS, H, G, D, L = 4, 2, 2, 8, 2
 SCALE = 1 / math.sqrt(D)

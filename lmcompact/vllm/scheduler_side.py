@@ -2,14 +2,14 @@
 
 Cheap and free of store I/O on the engine's scheduling loop: it asks which chunks exist
 (an index lookup, cached per request, never a payload fetch or a checksum) and describes
-each step's work in one :class:`~connectors.metadata.StepMetadata` that names chunks by
+each step's work in one :class:`~lmcompact.vllm.metadata.StepMetadata` that names chunks by
 key. The worker half fetches and verifies them; a chunk that turns out missing or bad
 there is reported back and the request is recomputed (vLLM's ``kv_load_failure_policy``
 "recompute"), never loaded wrong.
 
 What exists is the union of two views: the store's own index (shared with the worker when
 both halves run in one process; Redis is shared across processes) and the keys the worker
-reports as stored (:class:`~connectors.metadata.WorkerReport`; the only view of a worker's
+reports as stored (:class:`~lmcompact.vllm.metadata.WorkerReport`; the only view of a worker's
 private CPU tier under vLLM's multiprocess engine). A request whose next chunk is still
 being saved by the worker waits (``None`` to vLLM: "ask again") until the save is reported
 or ``save_wait_s`` passes, so a prompt repeated right after its first request is a hit.
@@ -38,10 +38,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.holes import Hole, keyed_by_last_block
-from connectors.metadata import (
+from lmcompact.policies import Need
+from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.metadata import (
     CaptureSpec,
     LoadSpec,
     ReconstructCapture,
@@ -49,9 +51,7 @@ from connectors.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from connectors.reconstruct import ReconstructRequest, reconstruct_request
-from lmcompact.policies import Need
-from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
+from lmcompact.vllm.reconstruct import ReconstructRequest, reconstruct_request
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Start-up checks of the connector options against the engine (block size, model shape).
 
-:class:`connectors.config.ConnectorConfig` checks everything that needs no engine when it is
+:class:`lmcompact.vllm.config.ConnectorConfig` checks everything that needs no engine when it is
 parsed; what depends on the block size or the model's shape runs here when the connector is
 built: ``ValueError`` with the bad value and what is allowed.
 """
@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from connectors.config import BUDGET_TOLERANCE, ConnectorConfig, kept_blocks
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
+from lmcompact.vllm.config import BUDGET_TOLERANCE, ConnectorConfig, kept_blocks
 
 UNSUPPORTED_NEEDS = Need.CUMULATIVE_SCORES | Need.TOKEN_CLASSES
 """Inputs the connector never captures (policies needing them are refused)."""
@@ -66,7 +66,7 @@ def validate_against_engine(
     because attention skips one block-aligned hole per request (unless ``per_head_counts``:
     ``release.per_head`` pads and masks), and (2) need only inputs
     the connector captures. vLLM's prefix caching may stay on: compacted blocks are kept
-    out of its cache (:class:`connectors.memory.blocks.PrefixCacheGuard`).
+    out of its cache (:class:`lmcompact.vllm.memory.blocks.PrefixCacheGuard`).
     """
     per_head_counts = per_head_counts or config.per_head_counts
     chunk = config.store.chunk_size

@@ -3,7 +3,7 @@
 Example ``--kv-transfer-config``::
 
     {"kv_connector": "LMCompactConnector",
-     "kv_connector_module_path": "connectors.lmcompact_connector",
+     "kv_connector_module_path": "lmcompact.vllm.connector",
      "kv_role": "kv_both",
      "kv_connector_extra_config": {
          "policy": "snapkv", "budget": 0.25, "store": false,
@@ -11,7 +11,7 @@ Example ``--kv-transfer-config``::
 
 With ``"per_head": {"slack": 1.5}``, policies that keep different numbers of tokens per
 (layer, head) (``adakv``, ``pyramidkv``, ``duoattention``) keep their own counts: see
-:mod:`connectors.memory.perhead_attention`. The top-level ``policy`` and ``budget`` drive
+:mod:`lmcompact.vllm.memory.perhead_attention`. The top-level ``policy`` and ``budget`` drive
 the in-place compaction of fresh prefills. ``"memory"`` is the old name of this group
 (``LMCompactMemoryConnector``), still accepted.
 """
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.memory.planner import PrefillMode
-from connectors.options import boolean, choice, integer, mapping, option
+from lmcompact.vllm.memory.planner import PrefillMode
+from lmcompact.vllm.options import boolean, choice, integer, mapping, option
 
 RELEASE_KEY = "release"
 MEMORY_KEY = "memory"
@@ -36,7 +36,7 @@ DECODE_POLICIES = ("recent", "h2o")
 
 @dataclass(frozen=True)
 class ReleaseOptions:
-    """Validated ``"release"`` options (each field's rule: :func:`connectors.options.parse`).
+    """Validated ``"release"`` options (each field's rule: :func:`lmcompact.vllm.options.parse`).
 
     Attributes:
         prefill: what happens when a prompt's prefill ends. ``"pack"`` runs the policy over
@@ -51,7 +51,7 @@ class ReleaseOptions:
             (StreamingLLM): the oldest block after the hole is dropped. ``"h2o"``
             (Heavy-Hitter Oracle): that block is first merged into the request's kept
             region, where each (layer, head) keeps its highest accumulated attention
-            mass (:mod:`connectors.memory.heavy_hitters`).
+            mass (:mod:`lmcompact.vllm.memory.heavy_hitters`).
         decode_recent_tokens: ``h2o`` only: recent tokens kept in order after the hole when
             the hole opens during generation (block aligned); None: half the budget. The
             kept region is the rest of the budget (or the prompt's packed kept blocks).
@@ -65,7 +65,7 @@ class ReleaseOptions:
             running request will yet allocate up to its ``max_tokens`` (the rest of its
             prompt, its generation; a planned hole counts as returned once packed), so
             requests admitted thanks to freed blocks are never preempted for growth
-            (:meth:`connectors.memory.scheduler_side.MemoryScheduler.admits`).
+            (:meth:`lmcompact.vllm.memory.scheduler_side.MemoryScheduler.admits`).
         warm_up: compile and autotune the GPU pack kernels when the KV caches are
             registered, for every power-of-two prompt length up to ``max_model_len``, so
             the first request does not pay for it (default True; CUDA only).

@@ -33,21 +33,21 @@ from typing import Any
 
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
-from connectors.config import ConnectorConfig
-from connectors.holes import cut_holes_in_place
-from connectors.kv_layout import PageLayout, make_layout
-from connectors.metadata import (
+from lmcompact.policies import Need
+from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.holes import cut_holes_in_place
+from lmcompact.vllm.kv_layout import PageLayout, make_layout
+from lmcompact.vllm.metadata import (
     LoadSpec,
     ReconstructCapture,
     SaveSpec,
     StepMetadata,
     WorkerReport,
 )
-from connectors.reconstruct import ReconstructScores
-from lmcompact.policies import Need
-from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
+from lmcompact.vllm.reconstruct import ReconstructScores
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ runner hooks
     def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
-        """The coming step's metadata (see :class:`connectors.vllm_shim.StepTableEditor`)."""
+        """The coming step's metadata (see :class:`lmcompact.vllm.vllm_shim.StepTableEditor`)."""
         step = getattr(connector_metadata, "step", None)
         self._staged = step if isinstance(step, StepMetadata) else None
         self._stage_seen = True

@@ -3,7 +3,7 @@
 Example ``--kv-transfer-config``::
 
     {"kv_connector": "LMCompactConnector",
-     "kv_connector_module_path": "connectors.lmcompact_connector",
+     "kv_connector_module_path": "lmcompact.vllm.connector",
      "kv_role": "kv_both",
      "kv_connector_extra_config": {
          "policy": "snapkv", "budget": 0.5,
@@ -19,7 +19,7 @@ combination works. Old spellings still accepted: the store options at the top le
 ``"memory"`` for ``"release"`` (one deprecation line in the log).
 
 Engine-dependent checks (chunk size versus block size, budget geometry, policy shape) run in
-:func:`connectors.engine_checks.validate_against_engine` once the engine is known.
+:func:`lmcompact.vllm.engine_checks.validate_against_engine` once the engine is known.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.memory.config import MEMORY_KEY, RELEASE_KEY, ReleaseOptions
-from connectors.memory.planner import PrefillMode
-from connectors.options import (
+from lmcompact.policies import Budget, CompactionPolicy, Need, make_policy
+from lmcompact.store import StoreConfig
+from lmcompact.vllm.memory.config import MEMORY_KEY, RELEASE_KEY, ReleaseOptions
+from lmcompact.vllm.memory.planner import PrefillMode
+from lmcompact.vllm.options import (
     boolean,
     choice,
     integer,
@@ -44,8 +46,6 @@ from connectors.options import (
     parse,
     text,
 )
-from lmcompact.policies import Budget, CompactionPolicy, Need, make_policy
-from lmcompact.store import StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ CUDA_GRAPHS = ("piecewise", "full")
 
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
-"""Inputs the in-place pack (:func:`connectors.memory.packing.plan_pack`) does not compute."""
+"""Inputs the in-place pack (:func:`lmcompact.vllm.memory.packing.plan_pack`) does not compute."""
 
 BUDGET_TOLERANCE = 0.1
 """A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
@@ -267,7 +267,7 @@ class ConnectorConfig:
         """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
         (>= 1); the whole chunk when chunks are stored uncompacted.
 
-        :func:`connectors.engine_checks.validate_against_engine` refuses a budget this
+        :func:`lmcompact.vllm.engine_checks.validate_against_engine` refuses a budget this
         rounding would change by more than :data:`BUDGET_TOLERANCE` (when the store path is
         on).
         """

@@ -1,12 +1,12 @@
 """The worker side of the ``"release"`` group: packs prompts in place, per-head attention and
-H2O decode scores (one per worker, composed by :class:`connectors.lmcompact_connector.
-LMCompactConnector` with its :class:`connectors.worker_side.WorkerHalf`).
+H2O decode scores (one per worker, composed by :class:`lmcompact.vllm.connector.
+LMCompactConnector` with its :class:`lmcompact.vllm.worker_side.WorkerHalf`).
 
-The scheduler side (:class:`connectors.memory.scheduler_side.MemoryScheduler`) plans each
+The scheduler side (:class:`lmcompact.vllm.memory.scheduler_side.MemoryScheduler`) plans each
 pack and names it in the step metadata; here, after the step's forward pass (and after the
 store path copied the pages it saves), the kept tokens of each planned prompt are written
 into its first blocks, with the observation-window queries the worker half captured
-(:meth:`connectors.worker_side.WorkerHalf.window_queries`).
+(:meth:`lmcompact.vllm.worker_side.WorkerHalf.window_queries`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,20 @@ from typing import Any
 
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.memory.device_pack import DevicePacker
-from connectors.memory.heavy_hitters import HeavyHitterScores, MergeJob, make_heavy_hitter_scores
-from connectors.memory.packing import WindowQueries, pack_in_place
-from connectors.memory.perhead_attention import PerHeadAttention, make_perhead_attention
-from connectors.memory.planner import HolePlanner, PrefillMode
-from connectors.memory.scheduler_side import PackJob, needs_scores
-from connectors.worker_side import WorkerHalf
 from lmcompact.kernels import dispatch as kernels
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.memory.device_pack import DevicePacker
+from lmcompact.vllm.memory.heavy_hitters import (
+    HeavyHitterScores,
+    MergeJob,
+    make_heavy_hitter_scores,
+)
+from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention, make_perhead_attention
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.memory.scheduler_side import PackJob, needs_scores
+from lmcompact.vllm.worker_side import WorkerHalf
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +123,7 @@ class ReleaseWorker:
         """Start-up refusal of what cannot be exact with sliding-window layers.
 
         vLLM masks their window by key index; the exact ways to keep that index the logical
-        distance (:mod:`connectors.holes`) need every head of a sliding layer to hold one
+        distance (:mod:`lmcompact.vllm.holes`) need every head of a sliding layer to hold one
         contiguous run of recent tokens. Per-head counts (padding masked by a second
         attention pass without a window) and H2O decode (heavy hitters merged into the kept
         region, scored without a window) break that.

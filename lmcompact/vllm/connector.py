@@ -3,21 +3,21 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector": "LMCompactConnector",
-                           "kv_connector_module_path": "connectors.lmcompact_connector",
+                           "kv_connector_module_path": "lmcompact.vllm.connector",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"policy": "snapkv", "budget": 0.5}}'
 
 or ``LLM(..., kv_transfer_config=KVTransferConfig(...))``. Options
-(:class:`connectors.config.ConnectorConfig`): the policy, the ``store`` group (compacted
+(:class:`lmcompact.vllm.config.ConnectorConfig`): the policy, the ``store`` group (compacted
 prefixes saved to and loaded from the tiers; on by default) and the ``release`` group
 (prompts packed in place, dropped blocks given back to vLLM; off unless given). Any
 combination works. Each role composes its halves:
 
-* scheduler: :class:`connectors.scheduler_side.SchedulerHalf` (store lookups, loads, saves,
-  holes of loads) and, with ``release``, :class:`connectors.memory.scheduler_side.
+* scheduler: :class:`lmcompact.vllm.scheduler_side.SchedulerHalf` (store lookups, loads, saves,
+  holes of loads) and, with ``release``, :class:`lmcompact.vllm.memory.scheduler_side.
   MemoryScheduler` (packs, decode budget, hole blocks back to the pool);
-* worker: :class:`connectors.worker_side.WorkerHalf` (loads, captures, saves, hole cuts)
-  and, with ``release``, :class:`connectors.memory.release_worker.ReleaseWorker` (packs).
+* worker: :class:`lmcompact.vllm.worker_side.WorkerHalf` (loads, captures, saves, hole cuts)
+  and, with ``release``, :class:`lmcompact.vllm.memory.release_worker.ReleaseWorker` (packs).
 
 The halves talk only through :class:`LMCompactMetadata` (ids and block numbers, never KV)
 and :class:`LMCompactWorkerMetadata`. ``LMCompactMemoryConnector`` is the old name of this
@@ -31,22 +31,22 @@ from typing import Any
 
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.engine_checks import validate_against_engine
-from connectors.memory.blocks import PrefixCacheGuard
-from connectors.memory.heavy_hitters import HeavyHitterScores, MergeJob
-from connectors.memory.perhead_attention import PerHeadAttention
-from connectors.memory.planner import HolePlanner
-from connectors.memory.rank_packs import RankPacks
-from connectors.memory.release import make_planner, refuse_under_tensor_parallel
-from connectors.memory.release_worker import ReleaseWorker
-from connectors.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
-from connectors.metadata import StepMetadata, WorkerReport
-from connectors.scheduler_side import SchedulerHalf
-from connectors.store_registry import STORES
-from connectors.worker_side import WorkerHalf
 from lmcompact.store import ChunkKeyer, StoreNamespace, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.memory.blocks import PrefixCacheGuard
+from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores, MergeJob
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
+from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.memory.rank_packs import RankPacks
+from lmcompact.vllm.memory.release import make_planner, refuse_under_tensor_parallel
+from lmcompact.vllm.memory.release_worker import ReleaseWorker
+from lmcompact.vllm.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
+from lmcompact.vllm.metadata import StepMetadata, WorkerReport
+from lmcompact.vllm.scheduler_side import SchedulerHalf
+from lmcompact.vllm.store_registry import STORES
+from lmcompact.vllm.worker_side import WorkerHalf
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def build_namespace(
     """The store namespace of ``tp_rank``'s slices (rank 0's also derives the chunk keys)."""
     params = config.namespace_params()
     if config.store_compacts and facts.sliding_window is not None:
-        # sliding-window layers store each chunk's most recent rows (connectors/holes.py);
+        # sliding-window layers store each chunk's most recent rows (lmcompact/vllm/holes.py);
         # chunks stored before that must not load as if they did
         params["sliding_rows"] = "recent"
     return StoreNamespace(
@@ -369,7 +369,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
 
     def bind_cache_guard(self, kv_cache_manager: Any) -> None:
         """With vLLM's prefix caching on, keep compacted blocks out of its cache
-        (:class:`connectors.memory.blocks.PrefixCacheGuard`)."""
+        (:class:`lmcompact.vllm.memory.blocks.PrefixCacheGuard`)."""
         if self.cache_guard is None and self.facts.prefix_caching:
             self.cache_guard = PrefixCacheGuard(kv_cache_manager)
             self._scheduler().frontier_of = self.cache_guard.frontier

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.config import ConnectorConfig
+from lmcompact.vllm.config import ConnectorConfig
 
 CONNECTOR_NAMES = ("LMCompactConnector", "LMCompactMemoryConnector")
 TRANSFER_FLAG = "--kv-transfer-config"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from connectors.config import BUDGET_TOLERANCE, ConnectorConfig
-from connectors.memory.config import ReleaseOptions
-from connectors.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.config import BUDGET_TOLERANCE, ConnectorConfig
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def refuse_under_tensor_parallel(release: ReleaseOptions, tp_size: int) -> None:
 
 def pack_budget_honoured_from(planner: HolePlanner, max_model_len: int) -> int | None:
     """Prompt tokens from which every in-place pack keeps ``planner.budget`` within
-    :data:`connectors.config.BUDGET_TOLERANCE` (None: only some lengths do).
+    :data:`lmcompact.vllm.config.BUDGET_TOLERANCE` (None: only some lengths do).
 
     Packs keep whole blocks (``planner.kept_blocks``), so a prompt of ``F`` full blocks
     keeps about ``round(budget * F)``; short prompts cannot honour small budgets.
