@@ -208,17 +208,17 @@ def _rank_pack_figures(worker: Any) -> dict[str, Any]:
     """Run on each worker (``LLM.collective_rpc``): its connector's pack figures."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    connector: Any = get_kv_transfer_group()
+    release: Any = get_kv_transfer_group().release_worker  # the worker's pack side
     return {
-        "timings": connector.pack_timings(),
-        "device_packs": int(connector.pack_stats["device_packs"]),
-        "unscored": int(connector.pack_stats["unscored"]),
-        "warm_up_s": [list(x) for x in connector.warm_up_s],
+        "timings": release.pack_timings(),
+        "device_packs": int(release.stats["device_packs"]),
+        "unscored": int(release.stats["unscored"]),
+        "warm_up_s": [list(x) for x in release.warm_up_s],
     }
 
 
 def _connector_figures(scheduler: Any, llm: Any = None) -> dict[str, Any] | None:
-    """Pack counts and timings of the memory connector: the in-process worker's, or with
+    """Pack counts and timings of the release group: the in-process worker's, or with
     ``llm`` (tensor parallel) every rank's through ``collective_rpc``."""
     connector = getattr(scheduler, "connector", None)
     memory = getattr(connector, "memory_scheduler", None)
