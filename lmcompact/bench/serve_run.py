@@ -208,7 +208,8 @@ def _rank_pack_figures(worker: Any) -> dict[str, Any]:
     """Run on each worker (``LLM.collective_rpc``): its connector's pack figures."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    release: Any = get_kv_transfer_group().release_worker  # the worker's pack side
+    connector: Any = get_kv_transfer_group()
+    release = connector.release_worker  # the worker's pack side
     return {
         "timings": release.pack_timings(),
         "device_packs": int(release.stats["device_packs"]),
