@@ -1,7 +1,7 @@
 """Per-head kept counts inside vLLM: reserve, pack with padding, recompute masked attention.
 
 Ada-KV, PyramidKV and DuoAttention keep different numbers of tokens per (layer, kv head).
-With ``"memory": {"per_head": {"slack": s}}`` the memory connector keeps those counts::
+With ``"release": {"per_head": {"slack": s}}`` the connector keeps those counts::
 
     scheduler   hole starts after K_max = ceil(kept_blocks * s) blocks  (kept = mean budget)
     worker      pack each (layer, head)'s own tokens into slots [0, count), count <= K_max,

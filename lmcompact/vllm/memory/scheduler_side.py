@@ -185,7 +185,7 @@ class MemoryScheduler:
         if self.ledger is None:
             # without the manager no block can be released: refuse instead of saving nothing
             raise RuntimeError(
-                "LMCompactMemoryConnector was never bound to vLLM's KVCacheManager (neither "
+                "the release group was never bound to vLLM's KVCacheManager (neither "
                 "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
             )
         return self.ledger
