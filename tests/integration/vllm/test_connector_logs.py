@@ -63,7 +63,7 @@ def test_connector_lines_in_engine_log(
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     expected = [
-        r"INFO .*\[lmcompact_connector\.py:\d+\] LMCompactConnector .*policy=snapkv "
+        r"INFO .*\[connector\.py:\d+\] LMCompactConnector .*policy=snapkv "
         r"budget=0\.5 chunk=256 tiers=\['cpu'\]",
         r"INFO .*LMCompactConnector worker: 30 layers, .*policy snapkv, kept 128/256",
         r"INFO .*LMCompactConnector .* release: prefill=pack",
