@@ -345,23 +345,31 @@ class WorkerHalf:
                 self._report.load_failed.add(load.req_id)
             self.stats["load_failures"] += 1
             return
-        h = self.facts.num_kv_heads
-        dense = [chunk.to_dense() for chunk in chunks]  # (L, H, kept, D) each
-        for name, kv in self.kv_caches.items():
-            layer = self.layer_index[name]
-            for i, (keys, values, _) in enumerate(dense):
-                self.layout.write(
-                    kv,
-                    load.block_ids,
-                    load.start + i * self.kept,
-                    keys[layer, :h],
-                    values[layer, :h],
-                )
+        self._write_chunks(load, chunks)
         with self._lock:
             self._report.loaded.add(load.req_id)
         self.stats["loads"] += 1
         self.stats["loaded_chunks"] += len(chunks)
         logger.debug("loaded %d chunks for %s", len(chunks), load.req_id)
+
+    def _write_chunks(self, load: LoadSpec, chunks: list[CompactedChunk]) -> None:
+        """Write the chunks' rows as slots ``load.start + i * kept ..`` of every (layer, head).
+
+        Consecutive chunks fill consecutive slots, so runs of them (up to
+        ``LOAD_GROUP_BYTES``) are moved to the cache's device once and written with one
+        page write per layer: a 16k prompt of 63 chunks at the 8B shape made 2,016 small
+        pageable host-to-device copies and page writes per load before (0.56 s time to
+        first token on the H200, against ~25 ms of bytes)."""
+        h = self.facts.num_kv_heads
+        device = next(iter(self.kv_caches.values())).device
+        for first, group in _runs_of_bytes(chunks, LOAD_GROUP_BYTES):
+            dense = [chunk.to_dense() for chunk in group]  # (L, H, kept, D) each
+            keys = torch.cat([k.to(device) for k, _, _ in dense], dim=2)
+            values = torch.cat([v.to(device) for _, v, _ in dense], dim=2)
+            start = load.start + first * self.kept
+            for name, kv in self.kv_caches.items():
+                layer = self.layer_index[name]
+                self.layout.write(kv, load.block_ids, start, keys[layer, :h], values[layer, :h])
 
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
@@ -627,3 +635,24 @@ class WorkerHalf:
     def shutdown(self) -> None:
         self.drain()
         self._executor.shutdown(wait=True)
+
+
+LOAD_GROUP_BYTES = 256 << 20
+"""Largest run of loaded chunks gathered on the cache's device before it is written."""
+
+
+def _runs_of_bytes(
+    chunks: list[CompactedChunk], limit: int
+) -> list[tuple[int, list[CompactedChunk]]]:
+    """``(index of the run's first chunk, run)``: consecutive chunks whose K/V bytes stay
+    within ``limit`` (a single larger chunk is a run of its own)."""
+    runs: list[tuple[int, list[CompactedChunk]]] = []
+    size = 0
+    for index, chunk in enumerate(chunks):
+        nbytes = chunk.keys.nbytes + chunk.values.nbytes
+        if not runs or size + nbytes > limit:
+            runs.append((index, []))
+            size = 0
+        runs[-1][1].append(chunk)
+        size += nbytes
+    return runs
