@@ -525,6 +525,9 @@ class WorkerHalf:
         context_scores = None
         if spec.reconstruct:
             context_scores = self._reconstruction_scores(spec, pages)
+        elif spec.token_scores is not None:
+            given = torch.tensor(spec.token_scores[: spec.num_tokens], dtype=torch.float32)
+            context_scores = [given.expand(self.facts.num_kv_heads, -1) for _ in pages]
         elif captured and positions and all(captured):
             queries = [torch.cat(parts).float().cpu() for parts in captured]
             query_positions = torch.tensor(positions, dtype=torch.int64)
