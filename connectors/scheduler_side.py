@@ -405,16 +405,6 @@ class SchedulerHalf:
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
         recon = tracked.reconstruct
-        if recon is None and tracked.token_scores is None and self._needs_given_scores(prompt_len):
-            logger.warning(
-                "request %s: policy %r scores with token_scores given with the storing "
-                "request (connectors.reconstruct.store_surprisal_context); this one has "
-                "none, nothing stored",
-                sched.req_id,
-                self.config.store_policy_name,
-            )
-            tracked.saved = True
-            return
         if tracked.capture is None:
             tracked.capture = (
                 self.capture_positions(prompt_len)
@@ -445,6 +435,16 @@ class SchedulerHalf:
         while first < n_full and self._save_in_flight(tracked.keys[first]):
             first += 1  # another request is saving the same leading chunks right now
         if first >= n_full:
+            return
+        if recon is None and tracked.token_scores is None and self._needs_given_scores(prompt_len):
+            logger.warning(
+                "request %s: policy %r scores with token_scores given with the storing "
+                "request (connectors.reconstruct.store_surprisal_context); this one has "
+                "none, its %d new chunks are not stored",
+                sched.req_id,
+                self.config.store_policy_name,
+                n_full - first,
+            )
             return
         keys = tracked.keys[first:n_full]
         now = time.monotonic()
