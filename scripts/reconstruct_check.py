@@ -25,6 +25,10 @@ scored layer and head, from one ``(T,)`` score, max-pooled with width ``kN``):
 - suffix ``_aN``: average-pool the score over ``N`` tokens first (a span's density);
 - suffix ``_glob``: one top-k over the whole context instead of per chunk (ragged counts).
 
+Haystacks (``--text``): ``pydoc`` (the eval's, default) or ``licenses``: the plain-English
+license texts of Debian's ``/usr/share/common-licenses`` (GPL, LGPL, GFDL, Apache, ...),
+paragraphs rotated to a seed-chosen start, a second kind of prose to check a rule on.
+
 Usage: ``PYTHONPATH=. python scripts/reconstruct_check.py --model gemma3-270m --context 2048
 --samples 5 --json OUT``.
 """
@@ -48,6 +52,22 @@ from lmcompact.policies.kvzip import REPEAT_PROMPT
 
 DEFAULT_METHODS = "streaming_llm,mean_k15,mean_k31,rank_k15,max_k15,surp_k15,mix_k15,mean_k15_glob"
 N_SINK = 4
+
+
+def license_stream(seed: int) -> str:
+    """Debian's license texts as paragraphs, rotated to a ``seed``-chosen start."""
+    import re
+    from pathlib import Path
+
+    folder = Path("/usr/share/common-licenses")
+    paras = [
+        " ".join(block.split())
+        for path in sorted(p for p in folder.iterdir() if p.is_file())
+        for block in re.split(r"\n\s*\n", path.read_text(errors="ignore"))
+        if len(block.split()) >= 12
+    ]
+    start = (seed * 7919) % len(paras)
+    return "\n\n".join(paras[start:] + paras[:start])
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +200,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--text", choices=("pydoc", "licenses"), default="pydoc")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,7 +217,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for index in range(args.first_sample, args.first_sample + args.samples):
         stored = tasks.build_stored_context(
-            tok, args.context, index, [0.1, 0.5, 0.9], text_stream(index)
+            tok,
+            args.context,
+            index,
+            [0.1, 0.5, 0.9],
+            text_stream(index) if args.text == "pydoc" else license_stream(index),
         )
         began = time.perf_counter()
         rec = reconstruct(model, stored.context_ids, repeat_ids)
