@@ -54,6 +54,9 @@ MODES = ("save", "load", "inplace")
 BASELINE = "none"
 """``compact_on`` of the full-cache rows (no connector)."""
 CONNECTOR = "LMCompactMemoryConnector"
+SURPRISAL_STEP = 1024
+"""Prefill step (``max_num_batched_tokens``) of cells whose contexts are stored with their
+``prompt_logprobs`` (``self_info``): bounds the logprobs' ``step x vocab`` floats."""
 
 
 @dataclass
@@ -369,9 +372,16 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                 }
                 wanted = (2 * context if recon else context) + 64 + config.new_tokens
                 max_model_len = min(wanted, max(positions, context + 64 + config.new_tokens))
+                surprisal = uses_surprisal(mode, policy, config)
                 try:
                     llm = offline.build_llm(
-                        folder, extra, max_model_len=max_model_len, connector=CONNECTOR
+                        folder,
+                        extra,
+                        max_model_len=max_model_len,
+                        connector=CONNECTOR,
+                        # prompt logprobs hold (step tokens x vocab) floats a few times over:
+                        # 4k x 262k (Gemma-3) in one step ran out of memory here
+                        max_num_batched_tokens=SURPRISAL_STEP if surprisal else None,
                     )
                 except Exception as error:  # a refused config is a result, not a crash
                     logger.error("%s %s %s refused: %s", mode, policy, budget, error)
@@ -391,7 +401,7 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                         bar,
                         recon,
                         max_model_len - 1,
-                        surprisal=uses_surprisal(mode, policy, config),
+                        surprisal=surprisal,
                     )
                 finally:
                     offline.shutdown(llm)
