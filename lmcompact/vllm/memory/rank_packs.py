@@ -2,7 +2,7 @@
 
 The scheduler half plans a pack in step ``t``; every rank packs its own KV heads in its
 ``wait_for_save`` of step ``t`` and reports ``(request id, rank)``
-(:attr:`connectors.metadata.WorkerReport.packed`); vLLM merges the ranks' reports of a step.
+(:attr:`lmcompact.vllm.metadata.WorkerReport.packed`); vLLM merges the ranks' reports of a step.
 The pack's hole blocks go back to the pool only once every rank's report arrived, so no
 rank's forward pass can write a block that rank has not packed from. With one rank nothing
 is tracked: the worker's own step order already puts its pack before any later write.

@@ -18,8 +18,8 @@ a packed write never overwrites a token still to be read.
 
 With per-head counts (``reserved`` given), each (layer, head) keeps the policy's own count,
 clipped to ``reserved`` slots, packed first and zero-padded up to ``reserved``
-(:func:`connectors.memory.perhead.pack_per_head`); attention then masks the padding
-(:mod:`connectors.memory.perhead_attention`).
+(:func:`lmcompact.vllm.memory.perhead.pack_per_head`); attention then masks the padding
+(:mod:`lmcompact.vllm.memory.perhead_attention`).
 
 Engine-free: torch, the page layout and an lmcompact policy.
 """
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.compaction import observe_layer, uniform_keep
-from connectors.kv_layout import PageLayout
-from connectors.memory.perhead import pack_per_head
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation
+from lmcompact.vllm.compaction import observe_layer, uniform_keep
+from lmcompact.vllm.kv_layout import PageLayout
+from lmcompact.vllm.memory.perhead import pack_per_head
 
 
 @dataclass

@@ -33,21 +33,21 @@ from typing import Any
 
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
-from connectors.config import ConnectorConfig
-from connectors.holes import cut_holes_in_place
-from connectors.kv_layout import PageLayout, make_layout
-from connectors.metadata import (
+from lmcompact.policies import Need
+from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.compaction import SaveJob, chunk_problem, compact_job, full_nbytes
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.holes import cut_holes_in_place
+from lmcompact.vllm.kv_layout import PageLayout, make_layout
+from lmcompact.vllm.metadata import (
     LoadSpec,
     ReconstructCapture,
     SaveSpec,
     StepMetadata,
     WorkerReport,
 )
-from connectors.reconstruct import ReconstructScores
-from lmcompact.policies import Need
-from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
+from lmcompact.vllm.reconstruct import ReconstructScores
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class WorkerHalf:
             self.layout.name,
             self.config.policy,
             self.kept,
-            self.config.chunk_size,
+            self.config.store.chunk_size,
         )
 
     def _choose_hole_cutting(self) -> None:
@@ -187,7 +187,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ runner hooks
     def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
-        """The coming step's metadata (see :class:`connectors.vllm_shim.StepTableEditor`)."""
+        """The coming step's metadata (see :class:`lmcompact.vllm.vllm_shim.StepTableEditor`)."""
         step = getattr(connector_metadata, "step", None)
         self._staged = step if isinstance(step, StepMetadata) else None
         self._stage_seen = True
@@ -276,6 +276,22 @@ class WorkerHalf:
         without tensor parallelism)."""
         return [key.for_rank(self.tp_rank, self.facts.tp_size) for key in keys]
 
+    def window_queries(self, req_id: str) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The queries captured for ``req_id`` so far, kept until :meth:`forget_window`
+        or its save takes them: per layer ``(W, num_heads, head_dim)`` (engine dtype and
+        device), and their ``W`` logical positions. None unless every layer has some."""
+        captured = self._captured.get(req_id)
+        positions = self._captured_pos.get(req_id)
+        if not captured or not positions or not all(captured):
+            return None
+        per_layer = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in captured]
+        return per_layer, list(positions)
+
+    def forget_window(self, req_id: str) -> None:
+        """Drop the queries captured for ``req_id`` (its in-place pack used them)."""
+        self._captured.pop(req_id, None)
+        self._captured_pos.pop(req_id, None)
+
     def report_packed(self, req_id: str) -> None:
         """An in-place pack of ``req_id`` ran on this rank (its hole may be released once
         every rank says so)."""
@@ -297,8 +313,7 @@ class WorkerHalf:
             return
         self._prepared = True
         for req_id in meta.finished:
-            self._captured.pop(req_id, None)
-            self._captured_pos.pop(req_id, None)
+            self.forget_window(req_id)
             self._recon.pop(req_id, None)
         for load in meta.loads:
             self._load(load)
@@ -324,7 +339,7 @@ class WorkerHalf:
         chunks = self._fetch(load)
         if chunks is None:
             bs = self.facts.block_size
-            end = load.start + len(load.keys) * self.config.chunk_size
+            end = load.start + len(load.keys) * self.config.store.chunk_size
             self._load_errors.update(load.block_ids[load.start // bs : end // bs])
             with self._lock:
                 self._report.load_failed.add(load.req_id)
@@ -361,7 +376,7 @@ class WorkerHalf:
             problem = (
                 "missing"
                 if chunk is None
-                else chunk_problem(chunk, self.facts, self.config.chunk_size, self.kept)
+                else chunk_problem(chunk, self.facts, self.config.store.chunk_size, self.kept)
             )
             if problem is not None:
                 if chunk is not None:
@@ -505,7 +520,7 @@ class WorkerHalf:
             return
         for spec in meta.saves:
             job = self._copy_job(spec)
-            if self.config.async_save:
+            if self.config.store.async_save:
                 with self._lock:
                     self._pending = [f for f in self._pending if not f.done()]
                     self._pending.append(self._executor.submit(self._run_job, job))
@@ -518,8 +533,8 @@ class WorkerHalf:
         first, last = spec.start // bs, (spec.start + spec.num_tokens + bs - 1) // bs
         index = torch.tensor(spec.block_ids[first:last], dtype=torch.int64)
         pages = [kv[index.to(kv.device)].to("cpu") for kv in self.kv_caches.values()]
-        captured = self._captured.pop(spec.req_id, None)
-        positions = self._captured_pos.pop(spec.req_id, None)
+        window = self.window_queries(spec.req_id)
+        self.forget_window(spec.req_id)
         queries = None
         query_positions = None
         context_scores = None
@@ -528,9 +543,9 @@ class WorkerHalf:
         elif spec.token_scores is not None:
             given = torch.tensor(spec.token_scores[: spec.num_tokens], dtype=torch.float32)
             context_scores = [given.expand(self.facts.num_kv_heads, -1) for _ in pages]
-        elif captured and positions and all(captured):
-            queries = [torch.cat(parts).float().cpu() for parts in captured]
-            query_positions = torch.tensor(positions, dtype=torch.int64)
+        elif window is not None:
+            queries = [q.float().cpu() for q in window[0]]
+            query_positions = torch.tensor(window[1], dtype=torch.int64)
         first_layer = next(iter(self.layers.values()))
         return SaveJob(
             spec.req_id,
@@ -572,7 +587,7 @@ class WorkerHalf:
                 job,
                 self.layout,
                 self.policy,
-                self.config.chunk_size,
+                self.config.store.chunk_size,
                 self.kept,
                 recent_layers=self.sliding_layers,
             )
@@ -584,7 +599,7 @@ class WorkerHalf:
                 self.stats["saves"] += 1
                 self.stats["saved_chunks"] += sum(stored)
                 self.stats["compact_s"] += elapsed
-                self.stats["compact_tokens"] += len(items) * self.config.chunk_size
+                self.stats["compact_tokens"] += len(items) * self.config.store.chunk_size
                 for (_, chunk), ok in zip(items, stored, strict=True):
                     if ok:
                         self.stats["bytes_stored"] += chunk.payload_nbytes
@@ -595,7 +610,7 @@ class WorkerHalf:
                 sum(stored),
                 len(items),
                 len(items) * self.kept,
-                len(items) * self.config.chunk_size,
+                len(items) * self.config.store.chunk_size,
                 self.config.policy,
                 elapsed,
             )

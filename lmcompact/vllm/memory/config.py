@@ -1,38 +1,42 @@
-"""Options of the memory-saving connector: the ``"memory"`` object of the extra config.
+"""The ``"release"`` option group: in-place packing and giving dropped blocks back to vLLM.
 
 Example ``--kv-transfer-config``::
 
-    {"kv_connector": "LMCompactMemoryConnector",
-     "kv_connector_module_path": "connectors.memory.connector",
+    {"kv_connector": "LMCompactConnector",
+     "kv_connector_module_path": "lmcompact.vllm.connector",
      "kv_role": "kv_both",
      "kv_connector_extra_config": {
-         "policy": "snapkv", "budget": 0.25, "save": false, "load": false,
-         "memory": {"prefill": "auto", "decode_budget_tokens": 512}}}
+         "policy": "snapkv", "budget": 0.25, "store": false,
+         "release": {"prefill": "auto", "decode_budget_tokens": 512}}}
 
-With ``"per_head": {"slack": 1.5}`` in ``"memory"``, policies that keep different numbers of
-tokens per (layer, head) (``adakv``, ``pyramidkv``, ``duoattention``) keep their own counts:
-see :mod:`connectors.memory.perhead_attention`.
-
-Every other key is the base connector's (:class:`connectors.config.ConnectorConfig`); its
-``policy`` and ``budget`` also drive the in-place compaction of fresh prefills.
+With ``"per_head": {"slack": 1.5}``, policies that keep different numbers of tokens per
+(layer, head) (``adakv``, ``pyramidkv``, ``duoattention``) keep their own counts: see
+:mod:`lmcompact.vllm.memory.perhead_attention`. The top-level ``policy`` and ``budget`` drive
+the in-place compaction of fresh prefills. ``"memory"`` is the old name of this group
+(``LMCompactMemoryConnector``), still accepted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from connectors.memory.planner import PrefillMode
+from lmcompact.vllm.memory.planner import PrefillMode
+from lmcompact.vllm.options import boolean, choice, integer, mapping, option
 
+RELEASE_KEY = "release"
 MEMORY_KEY = "memory"
+"""The deprecated name of the ``"release"`` group."""
+
 PREFILL_CHOICES = ("auto", "off", "pack", "blocks")
 DECODE_POLICIES = ("recent", "h2o")
 
 
 @dataclass(frozen=True)
-class MemoryConfig:
-    """Validated memory options.
+class ReleaseOptions:
+    """Validated ``"release"`` options (each field's rule: :func:`lmcompact.vllm.options.parse`).
 
     Attributes:
         prefill: what happens when a prompt's prefill ends. ``"pack"`` runs the policy over
@@ -47,7 +51,7 @@ class MemoryConfig:
             (StreamingLLM): the oldest block after the hole is dropped. ``"h2o"``
             (Heavy-Hitter Oracle): that block is first merged into the request's kept
             region, where each (layer, head) keeps its highest accumulated attention
-            mass (:mod:`connectors.memory.heavy_hitters`).
+            mass (:mod:`lmcompact.vllm.memory.heavy_hitters`).
         decode_recent_tokens: ``h2o`` only: recent tokens kept in order after the hole when
             the hole opens during generation (block aligned); None: half the budget. The
             kept region is the rest of the budget (or the prompt's packed kept blocks).
@@ -61,81 +65,39 @@ class MemoryConfig:
             running request will yet allocate up to its ``max_tokens`` (the rest of its
             prompt, its generation; a planned hole counts as returned once packed), so
             requests admitted thanks to freed blocks are never preempted for growth
-            (:meth:`connectors.memory.scheduler_side.MemoryScheduler.admits`).
+            (:meth:`lmcompact.vllm.memory.scheduler_side.MemoryScheduler.admits`).
         warm_up: compile and autotune the GPU pack kernels when the KV caches are
             registered, for every power-of-two prompt length up to ``max_model_len``, so
             the first request does not pay for it (default True; CUDA only).
+        group: the key the user wrote (``"release"``, or the old ``"memory"``); errors
+            name options under it. Not an option.
     """
 
-    prefill: str = "auto"
-    decode_budget_tokens: int | None = None
-    decode_policy: str = "recent"
-    decode_recent_tokens: int | None = None
-    sink_blocks: int = 1
-    min_prompt_tokens: int = 0
-    per_head: Mapping[str, Any] | None = None
-    reserve_growth: bool = True
-    warm_up: bool = True
+    prefill: str = option("auto", choice(PREFILL_CHOICES))
+    decode_budget_tokens: int | None = option(None, integer(1, nullable=True))
+    decode_policy: str = option("recent", choice(DECODE_POLICIES))
+    decode_recent_tokens: int | None = option(None, integer(1, nullable=True))
+    sink_blocks: int = option(1, integer(1))
+    min_prompt_tokens: int = option(0, integer(0))
+    per_head: Mapping[str, Any] | None = option(
+        None, mapping(nullable=True, allowed='an object like {"slack": 1.5}')
+    )
+    reserve_growth: bool = option(True, boolean())
+    warm_up: bool = option(True, boolean())
+    group: str = dataclasses.field(default=RELEASE_KEY, compare=False)
 
-    @classmethod
-    def from_extra(cls, options: Mapping[str, Any] | None) -> MemoryConfig:
-        """Parse the ``"memory"`` object; ValueError names the bad key or value."""
-        options = dict(options or {})
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise ValueError(f"unknown memory option(s) {unknown}; allowed: {sorted(allowed)}")
-        config = cls(**options)
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        if self.prefill not in PREFILL_CHOICES:
-            raise ValueError(
-                f"memory.prefill must be one of {list(PREFILL_CHOICES)}, got {self.prefill!r}"
-            )
-        budget = self.decode_budget_tokens
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
-        ):
-            raise ValueError(
-                f"memory.decode_budget_tokens must be a positive int or null, got {budget!r}"
-            )
-        if (
-            isinstance(self.sink_blocks, bool)
-            or not isinstance(self.sink_blocks, int)
-            or self.sink_blocks < 1
-        ):
-            raise ValueError(f"memory.sink_blocks must be an int >= 1, got {self.sink_blocks!r}")
-        if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
-            raise ValueError(
-                f"memory.min_prompt_tokens must be an int >= 0, got {self.min_prompt_tokens!r}"
-            )
+    def __post_init__(self) -> None:
+        """Checks that relate several release options."""
         self.per_head_slack()  # raises on a bad per_head object
-        for name in ("reserve_growth", "warm_up"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"memory.{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if self.decode_policy not in DECODE_POLICIES:
-            raise ValueError(
-                f"memory.decode_policy must be one of {list(DECODE_POLICIES)}, "
-                f"got {self.decode_policy!r}"
-            )
-        recent = self.decode_recent_tokens
-        if recent is not None:
-            if self.decode_policy != "h2o":
-                raise ValueError("memory.decode_recent_tokens needs decode_policy 'h2o'")
-            if isinstance(recent, bool) or not isinstance(recent, int) or recent < 1:
-                raise ValueError(
-                    f"memory.decode_recent_tokens must be a positive int, got {recent!r}"
-                )
+        g = self.group
+        if self.decode_recent_tokens is not None and self.decode_policy != "h2o":
+            raise ValueError(f"{g}.decode_recent_tokens needs decode_policy 'h2o'")
         if self.decode_policy == "h2o":
-            if budget is None:
-                raise ValueError("memory.decode_policy 'h2o' needs decode_budget_tokens")
+            if self.decode_budget_tokens is None:
+                raise ValueError(f"{g}.decode_policy 'h2o' needs decode_budget_tokens")
             if self.per_head is not None:
                 raise ValueError(
-                    "memory.decode_policy 'h2o' with per_head counts is not supported (the "
+                    f"{g}.decode_policy 'h2o' with per_head counts is not supported (the "
                     "merge keeps every head's count equal)"
                 )
 
@@ -145,15 +107,24 @@ class MemoryConfig:
             return None
         if not isinstance(self.per_head, Mapping) or set(self.per_head) - {"slack"}:
             raise ValueError(
-                f'memory.per_head must be an object like {{"slack": 1.5}}, got {self.per_head!r}'
+                f'{self.group}.per_head must be an object like {{"slack": 1.5}}, '
+                f"got {self.per_head!r}"
             )
         slack = self.per_head.get("slack", 1.5)
         if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
-            raise ValueError(f"memory.per_head.slack must be a number >= 1, got {slack!r}")
+            raise ValueError(f"{self.group}.per_head.slack must be a number >= 1, got {slack!r}")
         return float(slack)
 
+    @property
+    def needs_piecewise(self) -> bool:
+        """Per-head counts and H2O decode work inside every attention call, decode
+        included, so full CUDA graphs cannot run them."""
+        return self.per_head is not None or self.decode_policy == "h2o"
+
     def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
-        """The prefill mode for the base connector's policy."""
+        """The prefill mode for the connector's ``policy`` (``compacts``: a compacting
+        policy with budget < 1)."""
+        g = self.group
         if self.prefill == "auto":
             if not compacts:
                 mode = PrefillMode.OFF
@@ -163,17 +134,17 @@ class MemoryConfig:
             mode = PrefillMode(self.prefill)
             if mode is not PrefillMode.OFF and not compacts:
                 raise ValueError(
-                    f"memory.prefill={self.prefill!r} needs a compacting policy and a "
+                    f"{g}.prefill={self.prefill!r} needs a compacting policy and a "
                     f"budget < 1, got policy {policy!r}"
                 )
         if self.decode_policy == "h2o" and mode is PrefillMode.BLOCKS:
             raise ValueError(
-                "memory.decode_policy 'h2o' needs a kept region, but prefill mode 'blocks' "
+                f"{g}.decode_policy 'h2o' needs a kept region, but prefill mode 'blocks' "
                 "leaves only the sink blocks before the hole; use prefill 'pack' or 'off'"
             )
         if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(
-                f"memory.per_head needs prefill mode 'pack' (per-head counts are packed), "
+                f"{g}.per_head needs prefill mode 'pack' (per-head counts are packed), "
                 f"got {mode.value!r} for policy {policy!r}"
             )
         return mode
@@ -184,7 +155,7 @@ class MemoryConfig:
             return None
         if self.decode_budget_tokens % block_size:
             raise ValueError(
-                f"memory.decode_budget_tokens={self.decode_budget_tokens} must be "
+                f"{self.group}.decode_budget_tokens={self.decode_budget_tokens} must be "
                 f"a multiple of the block size {block_size}"
             )
         return self.decode_budget_tokens // block_size
@@ -199,24 +170,15 @@ class MemoryConfig:
             recent = budget // 2
         elif self.decode_recent_tokens % block_size:
             raise ValueError(
-                f"memory.decode_recent_tokens={self.decode_recent_tokens} must be a multiple "
-                f"of the block size {block_size}"
+                f"{self.group}.decode_recent_tokens={self.decode_recent_tokens} must be a "
+                f"multiple of the block size {block_size}"
             )
         else:
             recent = self.decode_recent_tokens // block_size
         if budget - recent <= self.sink_blocks:
             raise ValueError(
-                f"memory.decode_recent_tokens leaves {budget - recent} block(s) of the "
+                f"{self.group}.decode_recent_tokens leaves {budget - recent} block(s) of the "
                 f"{budget}-block decode budget for the kept region; it needs more than the "
                 f"{self.sink_blocks} sink block(s)"
             )
         return recent
-
-
-def split_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], MemoryConfig]:
-    """Separate the ``"memory"`` object from the base connector's options."""
-    base = {k: v for k, v in extra.items() if k != MEMORY_KEY}
-    memory = extra.get(MEMORY_KEY)
-    if memory is not None and not isinstance(memory, Mapping):
-        raise ValueError(f"kv_connector_extra_config.memory must be an object, got {memory!r}")
-    return base, MemoryConfig.from_extra(memory)

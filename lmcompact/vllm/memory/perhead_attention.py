@@ -1,7 +1,7 @@
 """Per-head kept counts inside vLLM: reserve, pack with padding, recompute masked attention.
 
 Ada-KV, PyramidKV and DuoAttention keep different numbers of tokens per (layer, kv head).
-With ``"memory": {"per_head": {"slack": s}}`` the memory connector keeps those counts::
+With ``"release": {"per_head": {"slack": s}}`` the connector keeps those counts::
 
     scheduler   hole starts after K_max = ceil(kept_blocks * s) blocks  (kept = mean budget)
     worker      pack each (layer, head)'s own tokens into slots [0, count), count <= K_max,
@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 
-from connectors.holes import Hole
-from connectors.kv_layout import PageLayout
-from connectors.memory.observer import PageObserver, worker_pages
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.layout.paged import PagedLengths, vllm_kv_views
+from lmcompact.vllm.holes import Hole
+from lmcompact.vllm.kv_layout import PageLayout
+from lmcompact.vllm.memory.observer import PageObserver, worker_pages
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class _Rows:
 class PerHeadAttention(PageObserver[_Rows]):
     """Worker-side counts per request plus the after-attention recompute (an observer).
 
-    Args: those of :class:`connectors.memory.observer.PageObserver` (``layer_index`` indexes
+    Args: those of :class:`lmcompact.vllm.memory.observer.PageObserver` (``layer_index`` indexes
     the counts).
     """
 
@@ -242,7 +242,7 @@ def token_major_pools(
 
 
 def make_perhead_attention(worker: Any) -> PerHeadAttention:
-    """Build the recompute for a :class:`connectors.worker_side.WorkerHalf` whose KV caches
+    """Build the recompute for a :class:`lmcompact.vllm.worker_side.WorkerHalf` whose KV caches
     are registered, and append it to the worker's after-attention observers."""
     perhead = PerHeadAttention(**worker_pages(worker))
     worker.observers.append(perhead)

@@ -37,13 +37,13 @@ from typing import Protocol
 
 import torch
 
-from connectors.kv_layout import PageLayout
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores, window_scores
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
 from lmcompact.store import ChunkKey, CompactedChunk
+from lmcompact.vllm.kv_layout import PageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class SaveJob:
             means every captured query is in it.
         rope: the model's RoPE when known (Expected Attention rotates with it).
         context_scores: per layer ``(H, num_tokens)`` context scores computed elsewhere
-            (a reconstruction pass, ``connectors/reconstruct.py``); they replace the
+            (a reconstruction pass, ``lmcompact/vllm/reconstruct.py``); they replace the
             scores of the captured sample. None: computed here from ``queries``.
     """
 

@@ -15,7 +15,7 @@ their window::
 The list keeps its length, so vLLM's next allocation, its finish/abort/preempt path
 (``free_blocks`` skips the null block) and the worker's block-table row stay consistent;
 attention never reads those columns because the hole is cut out of the per-layer block
-table (:mod:`connectors.holes`).
+table (:mod:`lmcompact.vllm.holes`).
 
 Only blocks this request owns alone (``ref_cnt == 1``) are released. A shared block stays
 in the list (the request keeps its reference; vLLM drops it at finish), so a block another

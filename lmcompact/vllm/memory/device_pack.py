@@ -1,6 +1,6 @@
 """The in-place pack without leaving the GPU: scores, pooling, top-k and K/V copy.
 
-The torch reference (:func:`connectors.memory.packing.plan_pack`) scores layer by layer,
+The torch reference (:func:`lmcompact.vllm.memory.packing.plan_pack`) scores layer by layer,
 asks the policy for a :class:`~lmcompact.plan.KeepPlan` and turns it into Python lists of
 indices, which costs a host round trip per layer. Here every step covers all layers and
 heads at once and stays on the device, so the host only launches work::
@@ -33,11 +33,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from connectors.compaction import SCORE_NEEDS
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import CompactionPolicy
 from lmcompact.policies._select import pool_scores
 from lmcompact.policies.base import descending_order
+from lmcompact.vllm.compaction import SCORE_NEEDS
 
 logger = logging.getLogger(__name__)
 

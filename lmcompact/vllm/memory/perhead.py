@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from connectors.kv_layout import PageLayout
 from lmcompact.kernels.reference_paged import paged_attention_reference
 from lmcompact.layout.paged import PagedLengths
+from lmcompact.vllm.kv_layout import PageLayout
 
 
 def padded_size(counts: torch.Tensor, block_size: int) -> int:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connectors.holes import Hole
 from lmcompact.store import ChunkKey
+from lmcompact.vllm.holes import Hole
 
 
 @dataclass
@@ -84,7 +84,7 @@ class SaveSpec:
         start: first token of the first chunk to save.
         num_tokens: tokens from ``start`` whose KV is in the cache after this step.
         reconstruct: the chunks are a reconstruction pass's first copy: compact them with
-            the scores the worker accumulated for this request (``connectors/reconstruct.py``).
+            the scores the worker accumulated for this request (``lmcompact/vllm/reconstruct.py``).
         token_scores: context scores given with the request for its tokens from ``start``
             (every layer and head reads the same; ``self_info``), or None.
     """

@@ -221,7 +221,7 @@ def store_context(
 ) -> Any:
     """Store ``context_ids`` compacted by KVzip's reconstruction pass (one vLLM request).
 
-    The engine must run ``LMCompactConnector`` (or the memory connector) with a policy
+    The engine must run ``LMCompactConnector`` with a policy
     that reads context scores (``kvzip``) and ``compact_on: "save"``. Only the whole
     chunks of the context are stored; a later request whose prompt starts with the context
     loads them. ``max_model_len`` must hold ``2 * len(context_ids) + len(repeat_ids) + 1``.

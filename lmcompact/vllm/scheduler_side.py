@@ -2,14 +2,14 @@
 
 Cheap and free of store I/O on the engine's scheduling loop: it asks which chunks exist
 (an index lookup, cached per request, never a payload fetch or a checksum) and describes
-each step's work in one :class:`~connectors.metadata.StepMetadata` that names chunks by
+each step's work in one :class:`~lmcompact.vllm.metadata.StepMetadata` that names chunks by
 key. The worker half fetches and verifies them; a chunk that turns out missing or bad
 there is reported back and the request is recomputed (vLLM's ``kv_load_failure_policy``
 "recompute"), never loaded wrong.
 
 What exists is the union of two views: the store's own index (shared with the worker when
 both halves run in one process; Redis is shared across processes) and the keys the worker
-reports as stored (:class:`~connectors.metadata.WorkerReport`; the only view of a worker's
+reports as stored (:class:`~lmcompact.vllm.metadata.WorkerReport`; the only view of a worker's
 private CPU tier under vLLM's multiprocess engine). A request whose next chunk is still
 being saved by the worker waits (``None`` to vLLM: "ask again") until the save is reported
 or ``save_wait_s`` passes, so a prompt repeated right after its first request is a hit.
@@ -38,10 +38,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.holes import Hole, keyed_by_last_block
-from connectors.metadata import (
+from lmcompact.policies import Need
+from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.metadata import (
     CaptureSpec,
     LoadSpec,
     ReconstructCapture,
@@ -49,14 +51,12 @@ from connectors.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from connectors.reconstruct import (
+from lmcompact.vllm.reconstruct import (
     ReconstructRequest,
     reconstruct_request,
     save_allowed,
     token_scores,
 )
-from lmcompact.policies import Need
-from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class SchedulerHalf:
         return tracked
 
     def _given_scores(self, request: Any, tracked: _Tracked) -> None:
-        """Read a request's ``save`` flag and ``token_scores`` (``connectors/reconstruct.py``)."""
+        """Read a request's ``save`` flag and ``token_scores`` (``reconstruct.py``)."""
         params = getattr(request, "kv_transfer_params", None)
         try:
             tracked.no_save = not save_allowed(params)
@@ -168,13 +168,13 @@ class SchedulerHalf:
             return None
         if t is None:
             return None
-        if not self.config.save or Need.CONTEXT_SCORES not in self.policy.needs:
+        if not self.config.store.save or Need.CONTEXT_SCORES not in self.policy.needs:
             logger.error(
                 "request %s asks for a reconstruction pass, but policy %r (save=%s) does not "
                 "store chunks scored by one; served as a plain request, nothing stored",
                 request.request_id,
                 self.config.store_policy_name,
-                self.config.save,
+                self.config.store.save,
             )
             return None
         logger.info(
@@ -241,9 +241,9 @@ class SchedulerHalf:
         while the next chunk's save is in flight (vLLM asks again on a later step)."""
         tracked = self._track(request)
         tracked.pending, tracked.confirmed = 0, False
-        c = self.config.chunk_size
+        c = self.config.store.chunk_size
         if (
-            not self.config.load
+            not self.config.store.load
             or num_computed % c
             or tracked.reconstruct is not None
             or tracked.no_save
@@ -275,7 +275,7 @@ class SchedulerHalf:
         tracked = self._requests.get(req_id)
         if tracked is None or not (tracked.confirmed and tracked.pending):
             return None
-        if self.kept >= self.config.chunk_size:
+        if self.kept >= self.config.store.chunk_size:
             return None
         return tracked.pending_start
 
@@ -344,7 +344,7 @@ class SchedulerHalf:
 
     def _start(self, sched: shim.ScheduledRequest, tracked: _Tracked, meta: StepMetadata) -> None:
         """A request got (new) blocks: emit its load, if confirmed, and its hole."""
-        c, bs = self.config.chunk_size, self.facts.block_size
+        c, bs = self.config.store.chunk_size, self.facts.block_size
         tracked.hole = None
         # chunks vLLM's own prefix cache served hold the full KV in the request's blocks:
         # they are saved too (when the store lacks them), so a repeat finds them there
@@ -399,9 +399,9 @@ class SchedulerHalf:
     ) -> None:
         """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""
-        if not self.config.save or tracked.saved or tracked.no_save:
+        if not self.config.store.save or tracked.saved or tracked.no_save:
             return
-        c, bs = self.config.chunk_size, self.facts.block_size
+        c, bs = self.config.store.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
         lo, hi = sched.num_computed, min(sched.num_computed + sched.num_scheduled, prompt_len)
         recon = tracked.reconstruct
@@ -439,7 +439,7 @@ class SchedulerHalf:
         if recon is None and tracked.token_scores is None and self._needs_given_scores(prompt_len):
             logger.warning(
                 "request %s: policy %r scores with token_scores given with the storing "
-                "request (connectors.reconstruct.store_surprisal_context); this one has "
+                "request (lmcompact.vllm.reconstruct.store_surprisal_context); this one has "
                 "none, its %d new chunks are not stored",
                 sched.req_id,
                 self.config.store_policy_name,

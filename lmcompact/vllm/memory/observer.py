@@ -1,7 +1,7 @@
 """What the worker's page-reading after-attention observers share.
 
-Per-head attention recompute (:mod:`connectors.memory.perhead_attention`) and H2O key-mass
-scoring (:mod:`connectors.memory.heavy_hitters`) both run after vLLM's attention kernel, read a
+Per-head attention recompute (:mod:`lmcompact.vllm.memory.perhead_attention`) and H2O key-mass
+scoring (:mod:`lmcompact.vllm.memory.heavy_hitters`) both run after vLLM's attention kernel, read a
 request's pages of the current layer, and need the same per-step view of the batch: which batch
 rows belong to the requests they track. Every layer of a step shares one metadata object, so
 those rows are built once, at the step's first layer, and cached by that object.
@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from connectors.kv_layout import PageLayout
+from lmcompact.vllm.kv_layout import PageLayout
 
 RowsT = TypeVar("RowsT")
 
@@ -62,7 +62,7 @@ class PageObserver(Generic[RowsT]):
 
 
 def worker_pages(worker: Any) -> dict[str, Any]:
-    """:class:`PageObserver` arguments of a :class:`connectors.worker_side.WorkerHalf` whose
+    """:class:`PageObserver` arguments of a :class:`lmcompact.vllm.worker_side.WorkerHalf` whose
     KV caches are registered."""
     return {
         "layout": worker.layout,

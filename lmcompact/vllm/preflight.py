@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.config import ConnectorConfig
+from lmcompact.vllm.config import ConnectorConfig
 
 CONNECTOR_NAMES = ("LMCompactConnector", "LMCompactMemoryConnector")
 TRANSFER_FLAG = "--kv-transfer-config"
@@ -29,21 +29,8 @@ def check_extra_config(connector: str, extra: Mapping[str, Any] | None) -> None:
         raise ValueError(f"kv_connector must be one of {list(CONNECTOR_NAMES)}, got {connector!r}")
     if extra is not None and not isinstance(extra, Mapping):
         raise ValueError(f"kv_connector_extra_config must be an object, got {extra!r}")
-    options = dict(extra or {})
-    if connector == "LMCompactMemoryConnector":
-        from connectors.memory.config import split_extra
-
-        options, memory = split_extra(options)
-        config = ConnectorConfig.from_extra(options)
-        memory.prefill_mode(config.policy, config.compacts)
-    else:
-        if "memory" in options:
-            raise ValueError(
-                "kv_connector_extra_config.memory is an option of LMCompactMemoryConnector "
-                "(kv_connector_module_path connectors.memory.connector), not of "
-                "LMCompactConnector"
-            )
-        ConnectorConfig.from_extra(options)
+    # the old name turns the release group on by default ("memory" is its old spelling)
+    ConnectorConfig.from_extra(extra, release=connector == "LMCompactMemoryConnector")
 
 
 def check_transfer_config(transfer: Mapping[str, Any] | str) -> bool:

@@ -27,8 +27,8 @@ def in_process_env(kv_cache_gib: int = 2) -> None:
 
 
 CONNECTORS = {
-    "LMCompactConnector": "connectors.lmcompact_connector",
-    "LMCompactMemoryConnector": "connectors.memory.connector",
+    "LMCompactConnector": "lmcompact.vllm.connector",
+    "LMCompactMemoryConnector": "lmcompact.vllm.connector",
 }
 """Connector class name -> module path."""
 
@@ -47,7 +47,7 @@ def transfer_config(
     where the engine has the option; vLLM's default "fail" would fail the request; engines
     without the option recompute).
     """
-    from connectors.preflight import check_extra_config
+    from lmcompact.vllm.preflight import check_extra_config
 
     if connector in CONNECTORS:
         check_extra_config(connector, extra)

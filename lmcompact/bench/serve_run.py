@@ -85,8 +85,9 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
+
+    from lmcompact.vllm.offline import build_llm
 
     on_cuda = torch.cuda.is_available()
     tp = workload.tensor_parallel_size
@@ -96,31 +97,23 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
         if tp > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
     kwargs: dict[str, Any] = {}
-    if extra is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCompactMemoryConnector",
-            kv_connector_module_path="connectors.memory.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra),
-        )
-    if workload.num_blocks is not None:
-        kwargs["num_gpu_blocks_override"] = workload.num_blocks
     if on_cuda:
         kwargs["gpu_memory_utilization"] = workload.gpu_memory_utilization
     eager = workload.enforce_eager or not on_cuda
     began = time.perf_counter()
-    llm = LLM(
-        model=workload.model,
-        dtype=workload.dtype,  # type: ignore[arg-type]
-        load_format=workload.load_format,
+    llm = build_llm(  # the one engine recipe, with vLLM's own batching (engine=...)
+        workload.model,
+        extra,
+        dtype=workload.dtype,
         block_size=workload.block_size,
         max_model_len=workload.prompt_tokens + workload.output_tokens + workload.block_size,
+        num_blocks=workload.num_blocks,
         enforce_eager=eager,
-        enable_prefix_caching=False,
+        load_format=workload.load_format,
         skip_tokenizer_init=True,
-        seed=0,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
+        engine={"max_num_batched_tokens": None},
         **kwargs,
     )
     init_s = time.perf_counter() - began
@@ -216,16 +209,17 @@ def _rank_pack_figures(worker: Any) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector: Any = get_kv_transfer_group()
+    release = connector.release_worker  # the worker's pack side
     return {
-        "timings": connector.pack_timings(),
-        "device_packs": int(connector.pack_stats["device_packs"]),
-        "unscored": int(connector.pack_stats["unscored"]),
-        "warm_up_s": [list(x) for x in connector.warm_up_s],
+        "timings": release.pack_timings(),
+        "device_packs": int(release.stats["device_packs"]),
+        "unscored": int(release.stats["unscored"]),
+        "warm_up_s": [list(x) for x in release.warm_up_s],
     }
 
 
 def _connector_figures(scheduler: Any, llm: Any = None) -> dict[str, Any] | None:
-    """Pack counts and timings of the memory connector: the in-process worker's, or with
+    """Pack counts and timings of the release group: the in-process worker's, or with
     ``llm`` (tensor parallel) every rank's through ``collective_rpc``."""
     connector = getattr(scheduler, "connector", None)
     memory = getattr(connector, "memory_scheduler", None)

@@ -40,7 +40,7 @@ finds its growth in the pool, so only requests that vLLM would have preempted an
 here when nothing else allocates) are. When no request is running, nothing is refused.
 
 H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
-tokens are still needed; the :class:`connectors.memory.heavy_hitters.MergeJob` (with the
+tokens are still needed; the :class:`lmcompact.vllm.memory.heavy_hitters.MergeJob` (with the
 block's physical id, taken before the release) goes into step ``t``'s metadata and the
 worker merges it when binding that metadata, before step ``t``'s loads and forward pass,
 the first things that may write the block again.
@@ -54,13 +54,13 @@ from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
 
-from connectors import vllm_shim as shim
-from connectors.compaction import SCORE_NEEDS
-from connectors.holes import Hole, keyed_by_last_block
-from connectors.memory.blocks import BlockLedger, PrefixCacheGuard
-from connectors.memory.heavy_hitters import MergeJob
-from connectors.memory.planner import HolePlanner
-from connectors.metadata import CaptureSpec, StepMetadata
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.compaction import SCORE_NEEDS
+from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
+from lmcompact.vllm.memory.heavy_hitters import MergeJob
+from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.metadata import CaptureSpec, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class MemoryScheduler:
         if self.ledger is None:
             # without the manager no block can be released: refuse instead of saving nothing
             raise RuntimeError(
-                "LMCompactMemoryConnector was never bound to vLLM's KVCacheManager (neither "
+                "the release group was never bound to vLLM's KVCacheManager (neither "
                 "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
             )
         return self.ledger

@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
-from connectors.kv_layout import PageLayout
-from connectors.memory.observer import PageObserver, worker_pages
-from connectors.memory.perhead_attention import token_major_pools
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.layout.paged import PagedLengths, vllm_kv_views
+from lmcompact.vllm.kv_layout import PageLayout
+from lmcompact.vllm.memory.observer import PageObserver, worker_pages
+from lmcompact.vllm.memory.perhead_attention import token_major_pools
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class _ScoredRows:
 class HeavyHitterScores(PageObserver[_ScoredRows]):
     """Worker-side H2O state: accumulated mass per request, merges (an attention observer).
 
-    Args: those of :class:`connectors.memory.observer.PageObserver` (``layer_index`` indexes
+    Args: those of :class:`lmcompact.vllm.memory.observer.PageObserver` (``layer_index`` indexes
     the scores), and ``num_kv_heads`` (Hkv).
     """
 
@@ -342,7 +342,7 @@ def key_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.T
 
 
 def make_heavy_hitter_scores(worker: Any) -> HeavyHitterScores:
-    """Build the H2O state for a :class:`connectors.worker_side.WorkerHalf` whose KV caches
+    """Build the H2O state for a :class:`lmcompact.vllm.worker_side.WorkerHalf` whose KV caches
     are registered, and append it to the worker's after-attention observers."""
     scores = HeavyHitterScores(**worker_pages(worker), num_kv_heads=worker.facts.num_kv_heads)
     worker.observers.append(scores)
