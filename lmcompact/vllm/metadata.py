@@ -85,6 +85,8 @@ class SaveSpec:
         num_tokens: tokens from ``start`` whose KV is in the cache after this step.
         reconstruct: the chunks are a reconstruction pass's first copy: compact them with
             the scores the worker accumulated for this request (``lmcompact/vllm/reconstruct.py``).
+        token_scores: context scores given with the request for its tokens from ``start``
+            (every layer and head reads the same; ``self_info``), or None.
     """
 
     req_id: str
@@ -93,6 +95,7 @@ class SaveSpec:
     start: int
     num_tokens: int
     reconstruct: bool = False
+    token_scores: list[float] | None = None
 
 
 @dataclass

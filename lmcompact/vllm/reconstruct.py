@@ -24,11 +24,19 @@ A reconstruction request's prompt is ``context + repeat prompt + context``
 Cost: the stored context is prefilled twice plus the repeat prompt (once per context), and
 each layer's scoring reads the request's keys and computes ``T x N`` weights per query
 head (``N`` up to ``2T + r``), as much work again as that layer's attention in torch.
+
+Scores given with the request (``self_info``): :func:`store_surprisal_context` first runs
+the context once with ``prompt_logprobs`` under ``{"lmcompact": {"save": false}}`` (the
+connector neither loads nor stores that request), turns the logprobs into surprisal, and
+then stores the context with ``{"lmcompact": {"token_scores": [T floats]}}``: the
+connector compacts its chunks with those scores as every layer's and head's context
+scores. Cost: two prefills of the context, no scoring inside attention.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +58,10 @@ __all__ = [
     "ReconstructScores",
     "reconstruct_params",
     "reconstruct_request",
+    "save_allowed",
     "store_context",
+    "store_surprisal_context",
+    "token_scores",
 ]
 
 
@@ -115,6 +126,43 @@ def reconstruct_request(
             "a reconstruction prompt must end with a copy of its context from copy_start on"
         )
     return ReconstructRequest(t, start)
+
+
+def save_allowed(params: Mapping[str, Any] | None) -> bool:
+    """False when the request's entry says ``"save": false`` (a scoring request).
+
+    Raises:
+        ValueError: ``save`` is there and not a bool.
+    """
+    entry = (params or {}).get(PARAMS_KEY) or {}
+    value = entry.get("save", True)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"kv_transfer_params[{PARAMS_KEY!r}]['save'] must be a bool, got {value!r}"
+        )
+    return value
+
+
+def token_scores(params: Mapping[str, Any] | None, prompt_len: int) -> list[float] | None:
+    """The per-token context scores a request carries (``"token_scores"``), or None.
+
+    Raises:
+        ValueError: not a list of ``prompt_len`` finite numbers.
+    """
+    entry = (params or {}).get(PARAMS_KEY) or {}
+    scores = entry.get("token_scores")
+    if scores is None:
+        return None
+    if (
+        not isinstance(scores, Sequence)
+        or len(scores) != prompt_len
+        or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores)
+    ):
+        raise ValueError(
+            f"kv_transfer_params[{PARAMS_KEY!r}]['token_scores'] must be a list of "
+            f"{prompt_len} finite numbers (one per prompt token)"
+        )
+    return [float(x) for x in scores]
 
 
 @dataclass
@@ -205,5 +253,41 @@ def store_context(
         temperature=0.0,
         max_tokens=1,
         extra_args={"kv_transfer_params": reconstruct_params(t, t + r)},
+    )
+    return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+
+
+def store_surprisal_context(llm: Any, context_ids: Sequence[int]) -> Any:
+    """Store ``context_ids`` compacted by each token's surprisal (two vLLM requests).
+
+    The engine must run the connector with a policy that reads context scores given with
+    the request (``self_info``) and ``compact_on: "save"``. The first request reads the
+    context's ``prompt_logprobs`` and is neither loaded nor stored (``"save": false``);
+    the second stores the context with ``-logprob`` per token as its ``token_scores``.
+
+    Returns:
+        vLLM's ``RequestOutput`` of the storing request (one generated token, discarded).
+    """
+    from vllm import SamplingParams
+
+    from lmcompact.policies.self_info import surprisal_from_logprobs
+
+    ids = list(context_ids)
+    probe = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        prompt_logprobs=0,
+        extra_args={"kv_transfer_params": {PARAMS_KEY: {"save": False}}},
+    )
+    out = llm.generate([{"prompt_token_ids": ids}], probe, use_tqdm=False)[0]
+    logprobs: list[float | None] = []
+    for token, entry in zip(ids, out.prompt_logprobs, strict=True):
+        logprobs.append(None if entry is None else float(entry[token].logprob))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        extra_args={
+            "kv_transfer_params": {PARAMS_KEY: {"token_scores": surprisal_from_logprobs(logprobs)}}
+        },
     )
     return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]

@@ -51,7 +51,12 @@ from lmcompact.vllm.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from lmcompact.vllm.reconstruct import ReconstructRequest, reconstruct_request
+from lmcompact.vllm.reconstruct import (
+    ReconstructRequest,
+    reconstruct_request,
+    save_allowed,
+    token_scores,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,8 @@ class _Tracked:
     present: int = 0
     capture: list[int] | None = None
     reconstruct: ReconstructRequest | None = None  # a reconstruction pass's parts
+    token_scores: list[float] | None = None  # context scores given with the request
+    no_save: bool = False  # a scoring request: neither loaded nor stored
 
 
 class SchedulerHalf:
@@ -129,8 +136,28 @@ class SchedulerHalf:
             prompt = shim.request_prompt_ids(request)
             tracked = _Tracked(prompt=prompt, keys=self.keyer.keys(prompt))
             tracked.reconstruct = self._reconstruct_len(request, prompt)
+            self._given_scores(request, tracked)
             self._requests[req_id] = tracked
         return tracked
+
+    def _given_scores(self, request: Any, tracked: _Tracked) -> None:
+        """Read a request's ``save`` flag and ``token_scores`` (``reconstruct.py``)."""
+        params = getattr(request, "kv_transfer_params", None)
+        try:
+            tracked.no_save = not save_allowed(params)
+            scores = token_scores(params, len(tracked.prompt))
+        except ValueError as error:
+            logger.error("request %s: %s; served as a plain request", request.request_id, error)
+            return
+        if scores is not None and Need.CONTEXT_SCORES not in self.policy.needs:
+            logger.error(
+                "request %s gives token_scores, but policy %r does not read context scores; "
+                "ignored",
+                request.request_id,
+                self.config.store_policy_name,
+            )
+            return
+        tracked.token_scores = scores
 
     def _reconstruct_len(self, request: Any, prompt: list[int]) -> ReconstructRequest | None:
         """The parts of ``request`` when it is a valid reconstruction pass the policy can use."""
@@ -215,8 +242,13 @@ class SchedulerHalf:
         tracked = self._track(request)
         tracked.pending, tracked.confirmed = 0, False
         c = self.config.store.chunk_size
-        if not self.config.store.load or num_computed % c or tracked.reconstruct is not None:
-            return 0  # a reconstruction pass computes its whole prompt itself
+        if (
+            not self.config.store.load
+            or num_computed % c
+            or tracked.reconstruct is not None
+            or tracked.no_save
+        ):
+            return 0  # a reconstruction or scoring pass computes its whole prompt itself
         first = num_computed // c
         last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
         if last <= first:
@@ -367,7 +399,7 @@ class SchedulerHalf:
     ) -> None:
         """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""
-        if not self.config.store.save or tracked.saved:
+        if not self.config.store.save or tracked.saved or tracked.no_save:
             return
         c, bs = self.config.store.chunk_size, self.facts.block_size
         prompt_len = len(tracked.prompt)
@@ -404,6 +436,16 @@ class SchedulerHalf:
             first += 1  # another request is saving the same leading chunks right now
         if first >= n_full:
             return
+        if recon is None and tracked.token_scores is None and self._needs_given_scores(prompt_len):
+            logger.warning(
+                "request %s: policy %r scores with token_scores given with the storing "
+                "request (lmcompact.vllm.reconstruct.store_surprisal_context); this one has "
+                "none, its %d new chunks are not stored",
+                sched.req_id,
+                self.config.store_policy_name,
+                n_full - first,
+            )
+            return
         keys = tracked.keys[first:n_full]
         now = time.monotonic()
         self._saving.update((s, now) for key in keys for s in self._slices(key))
@@ -415,7 +457,18 @@ class SchedulerHalf:
                 start=first * c,
                 num_tokens=(prompt_len if recon is None else recon.context_len) - first * c,
                 reconstruct=recon is not None,
+                token_scores=(
+                    None if tracked.token_scores is None else tracked.token_scores[first * c :]
+                ),
             )
+        )
+
+    def _needs_given_scores(self, prompt_len: int) -> bool:
+        """Whether the store policy reads context scores it cannot compute from the
+        request's own queries (``self_info``: they come with the request)."""
+        return (
+            Need.CONTEXT_SCORES in self.policy.needs
+            and self.policy.context_queries(prompt_len) is None
         )
 
     def finished(self, req_id: str) -> None:

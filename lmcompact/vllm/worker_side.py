@@ -548,6 +548,9 @@ class WorkerHalf:
         context_scores = None
         if spec.reconstruct:
             context_scores = self._reconstruction_scores(spec, pages)
+        elif spec.token_scores is not None:
+            given = torch.tensor(spec.token_scores[: spec.num_tokens], dtype=torch.float32)
+            context_scores = [given.expand(self.facts.num_kv_heads, -1) for _ in pages]
         elif window is not None:
             queries = [q.float().cpu() for q in window[0]]
             query_positions = torch.tensor(window[1], dtype=torch.int64)
