@@ -154,6 +154,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
             )
         self._rank_stores: list[TieredStore] = []  # scheduler, tensor parallel: ranks 1..
         if role == shim.KVConnectorRole.SCHEDULER:
+            shim.track_kv_cache_managers()  # vLLM 0.26 binds only the manager's pool, later
             self._make_scheduler_halves()
         else:
             self.worker_half = WorkerHalf(

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -265,24 +264,46 @@ def allocated_block_ids(blocks: Any) -> list[int]:
     return _group0(blocks.get_block_ids())
 
 
-def kv_cache_manager_owning(block_pool: Any, max_depth: int = 8) -> Any | None:
-    """The scheduler's ``KVCacheManager`` whose ``block_pool`` is ``block_pool``, or None.
+_MANAGERS: list[weakref.ref[Any]] = []
+"""The ``KVCacheManager`` objects created since :func:`track_kv_cache_managers` (weakly)."""
+
+
+def track_kv_cache_managers(manager_class: Any = None) -> bool:
+    """Record every ``KVCacheManager`` vLLM creates from now on (idempotent, class level).
 
     vLLM 0.32 hands connectors the manager (``bind_kv_cache_manager``); vLLM 0.26 creates the
-    connector before the manager and only calls ``bind_gpu_block_pool(manager.block_pool)``
-    from ``Scheduler.__init__``. That caller's ``self`` is the scheduler, so its
-    ``kv_cache_manager`` is found a few frames up; it is accepted only if its block pool is
-    the very object passed in.
+    scheduler's connector before its manager and later hands over only
+    ``manager.block_pool`` (``bind_gpu_block_pool``, from ``Scheduler.__init__``). The
+    scheduler half calls this when it is built, so the manager made right after is
+    recorded and :func:`kv_cache_manager_owning` can find it by its pool. Returns False when
+    this vLLM has no such class. ``manager_class`` replaces vLLM's class (tests).
     """
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        manager = getattr(owner, "kv_cache_manager", None)
+    if manager_class is None:
+        try:
+            from vllm.v1.core.kv_cache_manager import KVCacheManager as manager_class
+        except ImportError:
+            return False
+    if getattr(manager_class, "_lmcompact_tracked", False):
+        return True
+    init = manager_class.__init__
+
+    def __init__(manager: Any, *args: Any, **kwargs: Any) -> None:
+        init(manager, *args, **kwargs)
+        _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None]
+        _MANAGERS.append(weakref.ref(manager))
+
+    manager_class.__init__ = __init__
+    manager_class._lmcompact_tracked = True
+    return True
+
+
+def kv_cache_manager_owning(block_pool: Any) -> Any | None:
+    """The recorded ``KVCacheManager`` whose ``block_pool`` is ``block_pool`` (the very
+    object), or None (see :func:`track_kv_cache_managers`)."""
+    for ref in _MANAGERS:
+        manager = ref()
         if manager is not None and getattr(manager, "block_pool", None) is block_pool:
             return manager
-        frame = frame.f_back
     return None
 
 
