@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lmcompact.store import CompactedChunk
-from lmcompact.vllm.worker_side import _runs_of_bytes
+from lmcompact.vllm.worker_load import _runs_of_bytes
 
 
 def chunk(kept_rows: int, head_dim: int = 4) -> CompactedChunk:
