@@ -199,7 +199,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         "results": summary,
         "samples": rows,
     }
-    _publish(args, payload, vllm_report.markdown(summary), vllm_report.plot, "eval_vllm")
+    _publish(args, payload, vllm_report.markdown(summary, rows), vllm_report.plot, "eval_vllm")
     return 0
 
 

@@ -250,8 +250,7 @@ def run_kvpress_eval(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A :class:`lmcompact.eval.vllm_runner.VllmEvalConfig` through kvpress: the same cases
     (:func:`lmcompact.eval.vllm_runner.build_cases`: token ids, questions, passkeys) for
-    every model and context, one worker per model; rows carry ``cell_s`` (the wall time of
-    the worker, shared by its rows) like the vLLM rows."""
+    every model and context, one worker per model."""
     import time
 
     from transformers import AutoTokenizer
@@ -271,7 +270,7 @@ def run_kvpress_eval(
             folder, model, cases, presses, config.new_tokens, threads, python
         )
         seconds = time.perf_counter() - began
-        rows += [{**r, "cell_s": seconds} for r in model_rows]
+        rows += model_rows
         info["runs"].append({"model": model, "seconds": seconds, **run})
         if progress is not None:
             progress.update(1)
