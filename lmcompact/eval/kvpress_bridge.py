@@ -157,8 +157,10 @@ def stored_presses(
     policies: list[str], budgets: list[float], modes: list[str]
 ) -> list[dict[str, Any]]:
     """The kvpress configurations of a vLLM eval: the full cache first, then every shared
-    (``compact_on``, policy, budget); ``inplace`` asks for the ``load`` setting."""
-    settings = sorted({"load" if m == "inplace" else m for m in modes} & set(STORED_SHARED))
+    (``compact_on``, policy, budget), ``save`` first; ``inplace`` asks for the ``load``
+    setting."""
+    wanted = {"load" if m == "inplace" else m for m in modes}
+    settings = [m for m in STORED_SHARED if m in wanted]
     presses: list[dict[str, Any]] = [{"policy": "none", "budget": 1.0, "compact_on": "none"}]
     for mode in settings:
         for policy in policies:
@@ -201,13 +203,24 @@ def run_kvpress_stored(
         job_path.write_text(json.dumps(job))
         command = [str(kvpress_python(python)), str(worker), str(job_path), str(out_path)]
         logger.info("running %d kvpress configurations x %d contexts", len(presses), len(cases))
-        result = subprocess.run(command, check=False)
-        if result.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"kvpress worker failed with exit code {result.returncode}")
+        try:
+            result = subprocess.run(command, check=False)
+            code: int | None = result.returncode
+        except KeyboardInterrupt:  # keep the configurations that finished
+            code = None
+        if not out_path.is_file():
+            raise RuntimeError(f"kvpress worker failed (exit code {code}) before any result")
         output = json.loads(out_path.read_text())
+    if not output.get("done"):
+        logger.warning(
+            "kvpress worker stopped (exit code %s): keeping %d finished rows",
+            code,
+            len(output["rows"]),
+        )
     return score_stored(output, cases, model), {
         "versions": output["versions"],
         "refused": output["refused"],
+        "complete": bool(output.get("done")),
     }
 
 

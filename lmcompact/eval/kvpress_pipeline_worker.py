@@ -26,8 +26,11 @@ Job: ``{"model": folder, "new_tokens": n, "threads": n | null, "presses": [{"pol
 "question_ids": [[...], ...]}]}``; press ``{"policy": "none", "budget": 1.0,
 "compact_on": "none"}`` is the full cache. Output: ``{"rows": [{"policy", "budget",
 "compact_on", "task", "context", "sample", "question", "answer", "press", "seconds",
-"kept_tokens"}], "refused": [{"policy", "budget", "compact_on", "error"}], "versions"}``
-(the bridge scores the answers).
+"kept_tokens"}], "refused": [{"policy", "budget", "compact_on", "error"}], "versions",
+"done"}``, rewritten after every configuration (all its cases), so an interrupted run
+keeps what finished (``done`` false); the bridge scores the answers. ``kept_tokens`` is
+the cache length of layer 0 after the prefill (KVzipPress keeps every token and masks,
+so there it equals the context).
 """
 
 from __future__ import annotations
@@ -142,34 +145,47 @@ def main(job_path: str, out_path: str) -> int:
     pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
     counter = KeptCounter()
     counter.wrap(pipe)
-    rows: list[dict[str, Any]] = []
-    refused: list[dict[str, Any]] = []
-    for spec in job["presses"]:
-        policy, budget, mode = spec["policy"], spec["budget"], spec["compact_on"]
-        press_name = None
-        began = time.perf_counter()
-        for case in job["cases"]:
-            try:
-                press = make_press(policy, budget)
-                press_name = type(press).__name__ if press is not None else None
-                case_rows = run_case(pipe, counter, press, mode, case, job["new_tokens"])
-            except Exception as error:  # kvpress refusing a model is a result: report it
-                refused.append({**spec, "error": f"{type(error).__name__}: {error}"[:500]})
-                break
-            rows += [{**spec, "press": press_name, **r} for r in case_rows]
-        print(
-            f"kvpress {mode} {policy} b={budget}: {time.perf_counter() - began:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
     versions = {
         "kvpress": getattr(kvpress, "__version__", None),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
-    with open(out_path, "w") as handle:
-        json.dump({"rows": rows, "refused": refused, "versions": versions}, handle)
+    output: dict[str, Any] = {"rows": [], "refused": [], "versions": versions, "done": False}
+    for spec in job["presses"]:
+        policy, budget, mode = spec["policy"], spec["budget"], spec["compact_on"]
+        began = time.perf_counter()
+        spec_rows: list[dict[str, Any]] = []
+        for case in job["cases"]:
+            try:
+                press = make_press(policy, budget)
+                case_rows = run_case(pipe, counter, press, mode, case, job["new_tokens"])
+            except Exception as error:  # kvpress refusing a model is a result: report it
+                output["refused"].append(
+                    {**spec, "error": f"{type(error).__name__}: {error}"[:500]}
+                )
+                spec_rows = []
+                break
+            name = type(press).__name__ if press is not None else None
+            spec_rows += [{**spec, "press": name, **r} for r in case_rows]
+        output["rows"] += spec_rows
+        write(out_path, output)  # every finished configuration survives an interruption
+        print(
+            f"kvpress {mode} {policy} b={budget}: {time.perf_counter() - began:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    output["done"] = True
+    write(out_path, output)
     return 0
+
+
+def write(path: str, output: dict[str, Any]) -> None:
+    """Replace ``path`` with ``output`` (written beside it, then renamed)."""
+    import os
+
+    with open(path + ".tmp", "w") as handle:
+        json.dump(output, handle)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
