@@ -6,20 +6,26 @@ in NVIDIA kvpress: invoked by :func:`lmcompact.eval.kvpress_bridge.run_kvpress_s
 :mod:`lmcompact.eval.kvpress_worker` it imports only the standard library, torch,
 transformers and kvpress (never lmcompact): it runs under kvpress's transformers.
 
-Every case is run by ``KVPressTextGenerationPipeline._forward``, kvpress's own code path
-behind ``pipeline(context=..., questions=[...], press=...)``, given the vLLM eval's token
-ids instead of text (same contexts, same questions, no chat template):
+Every case is answered with kvpress's own code: the presses' ``forward_hook`` /
+``compress`` and the pipeline's ``generate_answer`` / ``_remove_answer_from_cache`` (the
+loop behind ``pipeline(context=..., questions=[...], press=...)``), given the vLLM eval's
+token ids instead of text (same contexts, same questions, no chat template):
 
 ``save`` (the question is not there when the context is compressed)
-    ``context_ids`` = the context, ``questions_ids`` = every question: the pipeline
-    prefills the context once under the press, then answers each question greedily from
-    the compressed cache and drops the answer from the cache before the next one. The
+    the context is prefilled and compressed once, then every question is answered
+    greedily from the compressed cache, the answer dropped before the next one. The
     counterpart of our ``compact_on: save`` (a stored, query-agnostic prefix).
 ``load`` (the question is in the observation window)
-    one pipeline call per question with ``context_ids`` = context + question minus its
-    last token and ``questions_ids`` = that last token, so the press sees the question
-    (SnapKV's window holds it; note kvpress may then drop question tokens too). The
-    counterpart of our ``compact_on: load`` and ``inplace``.
+    per question, context + question minus its last token is compressed and that last
+    token is the "question" of the pipeline, so the press sees the question (SnapKV's
+    window holds it; kvpress may then drop question tokens too). The counterpart of our
+    ``compact_on: load`` and ``inplace``.
+
+A scorer press compresses in a hook after each attention layer, so the prefill itself
+does not depend on it: one prefill per prompt serves every scorer press and budget
+(:class:`Prefill`, which calls the press's own hook with the recorded arguments).
+KVzipPress (its own reconstruction passes) goes through ``KVPressTextGenerationPipeline
+._forward`` unchanged.
 
 Job: ``{"model": folder, "new_tokens": n, "threads": n | null, "presses": [{"policy",
 "budget", "compact_on"}], "cases": [{"task", "context", "sample", "context_ids",
@@ -27,8 +33,8 @@ Job: ``{"model": folder, "new_tokens": n, "threads": n | null, "presses": [{"pol
 "compact_on": "none"}`` is the full cache. Output: ``{"rows": [{"policy", "budget",
 "compact_on", "task", "context", "sample", "question", "answer", "press", "seconds",
 "kept_tokens"}], "refused": [{"policy", "budget", "compact_on", "error"}], "versions",
-"done"}``, rewritten after every configuration (all its cases), so an interrupted run
-keeps what finished (``done`` false); the bridge scores the answers. ``kept_tokens`` is
+"done"}``, rewritten after every case (all configurations), so an interrupted run keeps
+what finished (``done`` false); the bridge scores the answers. ``kept_tokens`` is
 the cache length of layer 0 after the prefill (KVzipPress keeps every token and masks,
 so there it equals the context).
 """
@@ -64,71 +70,141 @@ def make_press(policy: str, budget: float) -> Any:
     raise ValueError(f"no kvpress press for {policy!r}")
 
 
-class KeptCounter:
-    """Records the compressed cache length the pipeline leaves after its prefill."""
+class Prefill:
+    """One plain prefill of ``ids`` ``(1, T)`` and what every attention layer's forward
+    hook would have been given (kwargs and output), to run presses from it.
 
-    def __init__(self) -> None:
-        self.kept: list[int] = []
+    kvpress compresses in a forward hook that runs after each attention layer: the
+    layer's output already used the full keys, so the hidden states of the prefill do
+    not depend on the press. :meth:`compressed` therefore calls the press's own
+    ``forward_hook`` with the recorded arguments on a fresh copy of the full cache:
+    what ``with press(model): model.model(ids, past_key_values=cache)`` computes, with
+    one prefill shared by every press and budget.
+    """
 
-    def wrap(self, pipe: Any) -> None:
-        original = pipe.generate_answer
+    def __init__(self, model: Any, ids: list[int]) -> None:
+        from transformers import DynamicCache
 
-        def generate_answer(question_ids: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
-            self.kept.append(int(cache.get_seq_length()))
-            return original(question_ids, cache, *args, **kwargs)
+        self.length = len(ids)
+        self.calls: list[tuple[Any, dict[str, Any], Any]] = []
+        layers = model.model.layers
+        hooks = [
+            layer.self_attn.register_forward_hook(self._record, with_kwargs=True)
+            for layer in layers
+        ]
+        self.cache: Any = DynamicCache()
+        try:
+            model.model(input_ids=torch.tensor([ids]), past_key_values=self.cache)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
-        pipe.generate_answer = generate_answer
+    def _record(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        kept = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        self.calls.append((module, kept, output))
+
+    def compressed(self, model: Any, press: Any) -> Any:
+        """A new ``DynamicCache`` holding the prefill compressed by ``press`` (None: full)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for index, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys, layer.values, index)
+        if press is None:
+            return cache
+        with press(model):  # the press's own set-up (post_init_from_model, rotary_emb)
+            for module, kwargs, output in self.calls:
+                press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
+        return cache
+
+
+def answer(
+    pipe: Any, cache: Any, questions: list[list[int]], context_length: int, new_tokens: int
+) -> list[str]:
+    """kvpress's pipeline loop: every question from ``cache``, the answer dropped after it."""
+    answers = []
+    for question in questions:
+        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        answers.append(
+            pipe.generate_answer(
+                question_ids=torch.tensor([question]),
+                cache=cache,
+                context_length=context_length,
+                max_new_tokens=new_tokens,
+            )
+        )
+        pipe._remove_answer_from_cache(cache, lengths)
+    return answers
+
+
+def recorded(spec: dict[str, Any]) -> bool:
+    """Whether a configuration runs from a shared prefill (every scorer press; KVzipPress
+    runs its own reconstruction passes through the pipeline, and ``"pipeline": true`` in
+    a press asks for the pipeline too: the test that both give the same answers)."""
+    return spec["policy"] != "kvzip" and not spec.get("pipeline", False)
 
 
 @torch.no_grad()
 def run_case(
-    pipe: Any, counter: KeptCounter, press: Any, mode: str, case: dict[str, Any], new_tokens: int
-) -> list[dict[str, Any]]:
-    """One row per question of ``case``: the answer, its share of the time, the kept tokens."""
-    context = case["context_ids"]
-    questions = case["question_ids"]
-    rows = []
-    counter.kept.clear()
-    if mode in ("save", "none"):
-        start = time.perf_counter()
-        answers = pipe._forward(
-            {
-                "context_ids": torch.tensor([context]),
-                "questions_ids": [torch.tensor([q]) for q in questions],
-            },
-            max_new_tokens=new_tokens,
-            press=press,
-        )
-        seconds = [(time.perf_counter() - start) / len(questions)] * len(questions)
-    elif mode == "load":
-        answers, seconds = [], []
-        for q in questions:
-            prompt = context + q
-            start = time.perf_counter()
-            answers += pipe._forward(
+    pipe: Any, specs: list[dict[str, Any]], case: dict[str, Any], new_tokens: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every configuration on one case: rows (one per question) and refusals."""
+    model = pipe.model
+    context, questions = case["context_ids"], case["question_ids"]
+    rows: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    shared: dict[str, Prefill] = {}
+    for spec in specs:
+        mode = spec["compact_on"]
+        try:
+            press = make_press(spec["policy"], spec["budget"])
+            if mode in ("none", "save"):
+                prompts = [(context, questions)]
+            elif mode == "load":  # the question minus its last token inside the window
+                prompts = [((context + q)[:-1], [(context + q)[-1:]]) for q in questions]
+            else:
+                raise ValueError(f"unknown compact_on {mode!r}; allowed: none, save, load")
+            answers, kept, seconds = [], [], []
+            for ids, asked in prompts:
+                start = time.perf_counter()
+                if recorded(spec):
+                    key = json.dumps(ids[-8:]) + str(len(ids))
+                    if key not in shared:
+                        shared[key] = Prefill(model, ids)
+                    cache = shared[key].compressed(model, press)
+                    kept.append(int(cache.get_seq_length()))
+                    answers += answer(pipe, cache, asked, len(ids), new_tokens)
+                else:
+                    answers += pipe._forward(
+                        {
+                            "context_ids": torch.tensor([ids]),
+                            "questions_ids": [torch.tensor([q]) for q in asked],
+                        },
+                        max_new_tokens=new_tokens,
+                        press=press,
+                    )
+                    kept.append(len(ids))  # KVzipPress masks: the cache keeps every token
+                seconds += [(time.perf_counter() - start) / len(asked)] * len(asked)
+                kept += [kept[-1]] * (len(asked) - 1)
+        except Exception as error:  # kvpress refusing a model is a result: report it
+            refused.append({**spec, "error": f"{type(error).__name__}: {error}"[:500]})
+            continue
+        name = type(press).__name__ if press is not None else None
+        for index, text in enumerate(answers):
+            rows.append(
                 {
-                    "context_ids": torch.tensor([prompt[:-1]]),
-                    "questions_ids": [torch.tensor([prompt[-1:]])],
-                },
-                max_new_tokens=new_tokens,
-                press=press,
+                    **spec,
+                    "press": name,
+                    "task": case["task"],
+                    "context": case["context"],
+                    "sample": case["sample"],
+                    "question": index,
+                    "answer": text,
+                    "seconds": seconds[index],
+                    "kept_tokens": kept[index],
+                }
             )
-            seconds.append(time.perf_counter() - start)
-    else:
-        raise ValueError(f"unknown compact_on {mode!r}; allowed: none, save, load")
-    for index, answer in enumerate(answers):
-        rows.append(
-            {
-                "task": case["task"],
-                "context": case["context"],
-                "sample": case["sample"],
-                "question": index,
-                "answer": answer,
-                "seconds": seconds[index],
-                "kept_tokens": counter.kept[index],
-            }
-        )
-    return rows
+    return rows, refused
 
 
 def main(job_path: str, out_path: str) -> int:
@@ -143,34 +219,26 @@ def main(job_path: str, out_path: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
-    counter = KeptCounter()
-    counter.wrap(pipe)
     versions = {
         "kvpress": getattr(kvpress, "__version__", None),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
     output: dict[str, Any] = {"rows": [], "refused": [], "versions": versions, "done": False}
-    for spec in job["presses"]:
-        policy, budget, mode = spec["policy"], spec["budget"], spec["compact_on"]
+    refused: dict[str, dict[str, Any]] = {}
+    for case in job["cases"]:
         began = time.perf_counter()
-        spec_rows: list[dict[str, Any]] = []
-        for case in job["cases"]:
-            try:
-                press = make_press(policy, budget)
-                case_rows = run_case(pipe, counter, press, mode, case, job["new_tokens"])
-            except Exception as error:  # kvpress refusing a model is a result: report it
-                output["refused"].append(
-                    {**spec, "error": f"{type(error).__name__}: {error}"[:500]}
-                )
-                spec_rows = []
-                break
-            name = type(press).__name__ if press is not None else None
-            spec_rows += [{**spec, "press": name, **r} for r in case_rows]
-        output["rows"] += spec_rows
-        write(out_path, output)  # every finished configuration survives an interruption
+        specs = [p for p in job["presses"] if json.dumps(p, sort_keys=True) not in refused]
+        rows, failed = run_case(pipe, specs, case, job["new_tokens"])
+        output["rows"] += rows
+        for item in failed:  # a refused configuration is not tried on later cases
+            spec = {k: item[k] for k in ("policy", "budget", "compact_on")}
+            refused[json.dumps(spec, sort_keys=True)] = item
+        output["refused"] = list(refused.values())
+        write(out_path, output)  # every finished case survives an interruption
         print(
-            f"kvpress {mode} {policy} b={budget}: {time.perf_counter() - began:.1f} s",
+            f"kvpress {case['task']} sample {case['sample']} ctx={case['context']}: "
+            f"{len(rows)} answers in {time.perf_counter() - began:.1f} s",
             file=sys.stderr,
             flush=True,
         )

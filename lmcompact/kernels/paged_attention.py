@@ -17,8 +17,8 @@ log-sum-exp and sums them per key (H2O / TOVA decode-time scores).
 float32 inputs take IEEE dot products unless ``torch.backends.cuda.matmul.allow_tf32``
 is set (see :func:`_dot_precision`).
 Reference: :func:`lmcompact.kernels.reference_paged.paged_attention_reference`.
-This module holds the host side (checks, split heuristics, launches); the
-Triton device code is in :mod:`lmcompact.kernels.paged_attention_kernels`.
+This module holds the host side (checks, tile and split choices); the Triton
+kernels and their launches are in :mod:`lmcompact.kernels.paged_attention_kernels`.
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ import torch
 import triton  # type: ignore[import-untyped]
 
 from lmcompact.kernels.paged_attention_kernels import (
-    attn_split_kernel,
+    LOG2E,
     key_mass_kernel,
-    merge_splits_kernel,
+    launch_split_attention,
 )
 from lmcompact.kernels.reference_paged import check_queries
 from lmcompact.layout.paged import PagedLengths, check_pool
-
-LOG2E = 1.4426950408889634
 
 
 def _check_lengths(lengths: PagedLengths, batch: int, hkv: int, device: torch.device) -> None:
@@ -164,7 +162,7 @@ def paged_attention(
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=device)
     kept = lengths.kept.contiguous()
     precision = _dot_precision(queries.dtype)
-    _launch_split(
+    launch_split_attention(
         (batch * hkv, m_tiles, num_splits),
         queries,
         key_pool,
@@ -182,6 +180,7 @@ def paged_attention(
         block_n=block_n,
         device_splits=None,
         num_splits=num_splits,
+        precision=precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -216,29 +215,6 @@ def paged_attention(
             num_warps=4,
         )
     return out, mass
-
-
-def _merge(
-    part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int
-) -> None:
-    """Merge ``(splits, T, Hq, D)`` partial outputs into ``out`` by their log-sum-exp."""
-    if not out.is_contiguous():
-        raise ValueError("internal: output must be contiguous for the split merge")
-    total_q, hq, d = out.shape
-    merge_splits_kernel[(total_q * hq,)](
-        part,
-        part_lse,
-        out,
-        lse,
-        splits,
-        d,
-        total_q * hq,
-        part.stride(0),
-        part_lse.stride(0),
-        BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_D=triton.next_power_of_2(d),
-        num_warps=1,
-    )
 
 
 def decode_splits(
@@ -300,7 +276,7 @@ def paged_decode_attention(
     lse = torch.empty(batch, hq, dtype=torch.float32, device=queries.device)
     group = hq // hkv
     block_m = 16 if group <= 16 else 64
-    _launch_split(
+    launch_split_attention(
         (batch * hkv, triton.cdiv(group, block_m), num_splits),
         queries,
         key_pool,
@@ -318,91 +294,8 @@ def paged_decode_attention(
         block_n=block_n,
         device_splits=num_splits,
         num_splits=num_splits,
+        precision=_dot_precision(queries.dtype),
         num_warps=4,
         num_stages=3 if block_d <= 64 else 2,
     )
     return out
-
-
-def _launch_split(
-    grid: tuple[int, int, int],
-    queries: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    value_scales: torch.Tensor | None,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    lengths: PagedLengths,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scale: float,
-    split_len: int,
-    block_m: int,
-    block_n: int,
-    device_splits: int | None,
-    num_splits: int,
-    num_warps: int,
-    num_stages: int,
-) -> None:
-    """Launch :func:`attn_split_kernel` over ``grid`` and merge its splits into ``out``.
-
-    With one split the kernel writes ``out`` ``(T, Hq, D)`` and ``lse`` ``(T, Hq)``
-    directly; otherwise float32 partials ``(num_splits, T, Hq, D)`` and their
-    log-sum-exps are merged by :func:`_merge`. ``device_splits`` None: every split
-    is ``split_len`` keys (host lengths); an int: each program derives its split
-    from the lengths on the device (a fixed grid, CUDA-graph safe). ``key_scales`` /
-    ``value_scales`` ``(num_blocks, block_size, Hkv)`` switch on int8 pools.
-    """
-    total_q, hq, d = out.shape
-    if num_splits == 1:
-        part, part_lse = out, lse[None]
-        part_strides: tuple[int, ...] = (0, out.stride(0), out.stride(1))
-    else:
-        part = torch.empty(num_splits, total_q, hq, d, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(num_splits, total_q, hq, dtype=torch.float32, device=out.device)
-        part_strides = part.stride()[:3]
-    quant = key_scales is not None and value_scales is not None
-    # no scales: the pools stand in for the pointers, never read (QUANT is off)
-    ks = key_scales if quant else key_pool
-    vs = value_scales if quant else value_pool
-    scale_strides = key_scales.stride() if quant and key_scales is not None else (0, 0, 0)
-    attn_split_kernel[grid](
-        queries,
-        key_pool,
-        value_pool,
-        ks,
-        vs,
-        block_table,
-        cu_seqlens_q,
-        lengths.kept,
-        lengths.tail_start,
-        lengths.seq_len,
-        part,
-        part_lse,
-        scale * LOG2E,
-        split_len,
-        d,
-        queries.stride(0),
-        queries.stride(1),
-        *key_pool.stride()[:3],
-        *scale_strides,
-        block_table.stride(0),
-        *part_strides,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        HKV=key_pool.shape[2],
-        GROUP=hq // key_pool.shape[2],
-        BLOCK_SIZE=key_pool.shape[1],
-        BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(queries.dtype),
-        QUANT=quant,
-        NUM_SPLITS=0 if device_splits is None else device_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if num_splits > 1:
-        _merge(part, part_lse, out, lse, num_splits)

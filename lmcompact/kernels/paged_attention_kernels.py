@@ -12,13 +12,20 @@ index layout: kept slots, the block-aligned hole, the tail):
 - :func:`key_mass_kernel`: with the final log-sum-exp, the attention mass each
   visible key received (summed over the rows, divided by the group size).
 
-Logits are in base 2 (``scale_log2 = scale * log2(e)``), as the launches pass them.
+Logits are in base 2 (``scale_log2 = scale * log2(e)``). :func:`launch_split_attention`
+launches the first (and the merge) from already checked arguments; :func:`merge_splits`
+is the merge launch.
 """
 
 from __future__ import annotations
 
+import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
+
+from lmcompact.layout.paged import PagedLengths
+
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -252,3 +259,112 @@ def key_mass_kernel(
             mass += tl.sum(tl.where(seen, p, 0.0), 0)
         m_off = b.to(tl.int64) * stride_mb + h * stride_mh + slot
         tl.store(mass_ptr + m_off, mass / GROUP, mask=c_ok)
+
+
+def launch_split_attention(
+    grid: tuple[int, int, int],
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    lengths: PagedLengths,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    split_len: int,
+    block_m: int,
+    block_n: int,
+    device_splits: int | None,
+    num_splits: int,
+    precision: str,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Launch :func:`attn_split_kernel` over ``grid`` and merge its splits into ``out``.
+
+    With one split the kernel writes ``out`` ``(T, Hq, D)`` and ``lse`` ``(T, Hq)``
+    directly; otherwise float32 partials ``(num_splits, T, Hq, D)`` and their
+    log-sum-exps are merged by :func:`merge_splits`. ``device_splits`` None: every split
+    is ``split_len`` keys (host lengths); an int: each program derives its split
+    from the lengths on the device (a fixed grid, CUDA-graph safe). ``key_scales`` /
+    ``value_scales`` ``(num_blocks, block_size, Hkv)`` switch on int8 pools; ``precision``
+    is ``tl.dot``'s input precision (``"ieee"`` or ``"tf32"``).
+    """
+    total_q, hq, d = out.shape
+    if num_splits == 1:
+        part, part_lse = out, lse[None]
+        part_strides: tuple[int, ...] = (0, out.stride(0), out.stride(1))
+    else:
+        part = torch.empty(num_splits, total_q, hq, d, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(num_splits, total_q, hq, dtype=torch.float32, device=out.device)
+        part_strides = part.stride()[:3]
+    quant = key_scales is not None and value_scales is not None
+    # no scales: the pools stand in for the pointers, never read (QUANT is off)
+    ks = key_scales if quant else key_pool
+    vs = value_scales if quant else value_pool
+    scale_strides = key_scales.stride() if quant and key_scales is not None else (0, 0, 0)
+    attn_split_kernel[grid](
+        queries,
+        key_pool,
+        value_pool,
+        ks,
+        vs,
+        block_table,
+        cu_seqlens_q,
+        lengths.kept,
+        lengths.tail_start,
+        lengths.seq_len,
+        part,
+        part_lse,
+        scale * LOG2E,
+        split_len,
+        d,
+        queries.stride(0),
+        queries.stride(1),
+        *key_pool.stride()[:3],
+        *scale_strides,
+        block_table.stride(0),
+        *part_strides,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        HKV=key_pool.shape[2],
+        GROUP=hq // key_pool.shape[2],
+        BLOCK_SIZE=key_pool.shape[1],
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+        QUANT=quant,
+        NUM_SPLITS=0 if device_splits is None else device_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        merge_splits(part, part_lse, out, lse, num_splits)
+
+
+def merge_splits(
+    part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int
+) -> None:
+    """Merge ``(splits, T, Hq, D)`` partial outputs into ``out`` by their log-sum-exp."""
+    if not out.is_contiguous():
+        raise ValueError("internal: output must be contiguous for the split merge")
+    total_q, hq, d = out.shape
+    merge_splits_kernel[(total_q * hq,)](
+        part,
+        part_lse,
+        out,
+        lse,
+        splits,
+        d,
+        total_q * hq,
+        part.stride(0),
+        part_lse.stride(0),
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1,
+    )
