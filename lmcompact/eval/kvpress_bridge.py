@@ -43,6 +43,30 @@ def kvpress_python(explicit: str | None = None) -> Path:
     return path
 
 
+def run_worker(
+    script: str, job: dict[str, Any], python: str | None = None
+) -> tuple[dict[str, Any], int | None]:
+    """Run ``script`` (beside this module) on ``job`` in the kvpress venv: its output and
+    exit code (None when interrupted; what the worker wrote by then is returned).
+
+    Raises:
+        RuntimeError: The worker wrote no output.
+    """
+    worker = Path(__file__).with_name(script)
+    with tempfile.TemporaryDirectory(prefix="lmc-kvpress-") as scratch:
+        job_path, out_path = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job_path.write_text(json.dumps(job))
+        command = [str(kvpress_python(python)), str(worker), str(job_path), str(out_path)]
+        code: int | None
+        try:
+            code = subprocess.run(command, check=False).returncode
+        except KeyboardInterrupt:  # keep what finished
+            code = None
+        if not out_path.is_file():
+            raise RuntimeError(f"kvpress worker failed (exit code {code}) before any result")
+        return json.loads(out_path.read_text()), code
+
+
 def run_kvpress(
     folder: str, samples: list[Any], config: Any, tokenizer: Any, python: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -66,16 +90,10 @@ def run_kvpress(
             for s in samples
         ],
     }
-    worker = Path(__file__).with_name("kvpress_worker.py")
-    with tempfile.TemporaryDirectory(prefix="lmc-kvpress-") as scratch:
-        job_path, out_path = Path(scratch) / "job.json", Path(scratch) / "out.json"
-        job_path.write_text(json.dumps(job))
-        command = [str(kvpress_python(python)), str(worker), str(job_path), str(out_path)]
-        logger.info("running %d kvpress configurations x %d samples", len(presses), len(samples))
-        result = subprocess.run(command, check=False)
-        if result.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"kvpress worker failed with exit code {result.returncode}")
-        output = json.loads(out_path.read_text())
+    logger.info("running %d kvpress configurations x %d samples", len(presses), len(samples))
+    output, code = run_worker("kvpress_worker.py", job, python)
+    if code != 0:
+        raise RuntimeError(f"kvpress worker failed with exit code {code}")
     return score_rows(output["rows"], samples, config, tokenizer.decode), {
         "versions": output["versions"],
         "skipped": output["skipped"],
@@ -197,20 +215,8 @@ def run_kvpress_stored(
             for c in cases
         ],
     }
-    worker = Path(__file__).with_name("kvpress_pipeline_worker.py")
-    with tempfile.TemporaryDirectory(prefix="lmc-kvpress-") as scratch:
-        job_path, out_path = Path(scratch) / "job.json", Path(scratch) / "out.json"
-        job_path.write_text(json.dumps(job))
-        command = [str(kvpress_python(python)), str(worker), str(job_path), str(out_path)]
-        logger.info("running %d kvpress configurations x %d contexts", len(presses), len(cases))
-        try:
-            result = subprocess.run(command, check=False)
-            code: int | None = result.returncode
-        except KeyboardInterrupt:  # keep the configurations that finished
-            code = None
-        if not out_path.is_file():
-            raise RuntimeError(f"kvpress worker failed (exit code {code}) before any result")
-        output = json.loads(out_path.read_text())
+    logger.info("running %d kvpress configurations x %d contexts", len(presses), len(cases))
+    output, code = run_worker("kvpress_pipeline_worker.py", job, python)
     if not output.get("done"):
         logger.warning(
             "kvpress worker stopped (exit code %s): keeping %d finished rows",
