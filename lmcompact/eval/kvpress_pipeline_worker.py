@@ -41,6 +41,7 @@ so there it equals the context).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 import time
@@ -220,7 +221,7 @@ def main(job_path: str, out_path: str) -> int:
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
     versions = {
-        "kvpress": getattr(kvpress, "__version__", None),
+        "kvpress": importlib.metadata.version("kvpress"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
