@@ -97,8 +97,8 @@ def markdown(
                 name = "full cache" + ("" if r.get("engine", "vllm") == "vllm" else " [kvpress]")
                 lines.append(
                     f"| {name} | none | "
-                    + " | ".join(acc for _ in budgets)
-                    + f" | {r['n']} | {fmt(r['cell_s'])} |"
+                    + "".join(f"{acc} | " for _ in budgets)
+                    + f"{r['n']} | {fmt(r['cell_s'])} |"
                 )
         pairs = sorted(
             {(r["compact_on"], r["policy"]) for r in rows if r["compact_on"] != "none"},
