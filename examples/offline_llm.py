@@ -26,9 +26,13 @@ def main() -> None:
     )
     kv = KVTransferConfig(
         kv_connector="LMCompactConnector",
-        kv_connector_module_path="connectors.lmcompact_connector",
+        kv_connector_module_path="lmcompact.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"policy": "snapkv", "budget": 0.5, "chunk_size": 128},
+        kv_connector_extra_config={
+            "policy": "snapkv",
+            "budget": 0.5,
+            "store": {"chunk_size": 128},  # the store group; "release": {...} packs in place
+        },
         kv_load_failure_policy="recompute",  # a missing/damaged stored chunk is recomputed
     )
     llm = LLM(

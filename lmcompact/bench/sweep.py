@@ -1,4 +1,4 @@
-"""A budget sweep of the memory connector: plain vLLM once, then one run per budget.
+"""A budget sweep of the connector's release group: plain vLLM once, then one run per budget.
 
 Shared by ``lmcompact bench capacity`` and ``lmcompact bench serve``: the ``--budgets``
 parser, the run plans (baseline + one in-place pack per budget), running each plan in its
@@ -51,10 +51,9 @@ def budget_plans(
         extra = {
             "policy": policy,
             "budget": float(b),
-            "save": False,
-            "load": False,
             "window": window,
-            "memory": memory,
+            "store": False,
+            "release": memory,
             **(options or {}),
         }
         plans.append((b, extra))

@@ -75,15 +75,14 @@ def build_prompt(tokenizer: Any, context: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from connectors import offline
-    from connectors.preflight import check_extra_config
+    from lmcompact.vllm import offline
+    from lmcompact.vllm.preflight import check_extra_config
 
     extra = {
         "policy": args.policy,
         "budget": args.budget,
-        "chunk_size": args.chunk_size,
         "window": args.window,
-        "tiers": ["cpu"],
+        "store": {"chunk_size": args.chunk_size, "tiers": ["cpu"]},
     }
     try:  # bad options fail here, before the model and vLLM load
         check_extra_config("LMCompactConnector", extra)

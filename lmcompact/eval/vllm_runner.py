@@ -9,10 +9,14 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     question request (context + question) then loads the compacted prefix from the store
     and computes only its question. For a policy that reads context scores (``kvzip``) the
     first request is KVzip's reconstruction pass instead (``context + repeat prompt +
-    context``, :func:`connectors.reconstruct.store_context`; rows say
+    context``, :func:`lmcompact.vllm.reconstruct.store_context`; rows say
     ``store_request: "reconstruct"``): only the first copy's chunks are stored, compacted
     with the repeat's attention (``reconstruct=False`` stores the context alone, scored by
-    its own sampled queries).
+    its own sampled queries). For a policy that scores with given per-token scores
+    (``self_info``) the context runs twice: once for its ``prompt_logprobs`` (not
+    stored), then stored with their surprisal as ``token_scores``
+    (:func:`lmcompact.vllm.reconstruct.store_surprisal_context`; ``store_request:
+    "surprisal"``).
 ``load``
     The first request stores the context whole (``"compact_on": "load"``); every question
     request loads it whole and packs it in place at its prefill end, with the question as
@@ -50,6 +54,9 @@ MODES = ("save", "load", "inplace")
 BASELINE = "none"
 """``compact_on`` of the full-cache rows (no connector)."""
 CONNECTOR = "LMCompactMemoryConnector"
+SURPRISAL_STEP = 1024
+"""Prefill step (``max_num_batched_tokens``) of cells whose contexts are stored with their
+``prompt_logprobs`` (``self_info``): bounds the logprobs' ``step x vocab`` floats."""
 
 
 @dataclass
@@ -180,7 +187,19 @@ def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
     from lmcompact.policies import Need, make_policy
 
     params = config.policy_params.get(policy, {})
-    return Need.CONTEXT_SCORES in make_policy(policy, budget=0.5, **params).needs
+    made = make_policy(policy, budget=0.5, **params)
+    return Need.CONTEXT_SCORES in made.needs and made.context_queries(1) is not None
+
+
+def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
+    """Whether the cell stores its contexts with given surprisal scores (``self_info``:
+    context scores it cannot compute from the request's own queries)."""
+    if mode != "save" or policy == BASELINE:
+        return False
+    from lmcompact.policies import Need, make_policy
+
+    made = make_policy(policy, budget=0.5, **config.policy_params.get(policy, {}))
+    return Need.CONTEXT_SCORES in made.needs and made.context_queries(1) is None
 
 
 def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
@@ -219,6 +238,7 @@ def run_cell(
     progress: Any = None,
     reconstruct: bool = False,
     max_len: int | None = None,
+    surprisal: bool = False,
 ) -> list[dict[str, Any]]:
     """Every case through one engine; one row per question.
 
@@ -226,12 +246,12 @@ def run_cell(
     and the connector counters this question's request moved (``hit_chunks``,
     ``expected_hit_chunks``, ``packs``, ``blocks_released``, ``holes_adopted``,
     ``pack_s``); ``warm_s`` is the first request's time (store modes), ``store_request``
-    what it was (``context`` or ``reconstruct``) and ``reconstruct_s`` the worker's time
-    scoring its repeat; ``max_len`` caps the reconstruction prompt (the model's positions:
-    a longer one repeats only the context's beginning).
+    what it was (``context``, ``reconstruct`` or ``surprisal``) and ``reconstruct_s`` the
+    worker's time scoring its repeat; ``max_len`` caps the reconstruction prompt (the
+    model's positions: a longer one repeats only the context's beginning).
     """
-    from connectors import offline
-    from connectors.reconstruct import REPEAT_PROMPT, store_context
+    from lmcompact.vllm import offline
+    from lmcompact.vllm.reconstruct import REPEAT_PROMPT, store_context, store_surprisal_context
 
     repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
@@ -245,6 +265,8 @@ def run_cell(
             began = time.perf_counter()
             if reconstruct:
                 store_context(llm, case.stored.context_ids, repeat_ids, max_len=max_len)
+            elif surprisal:
+                store_surprisal_context(llm, case.stored.context_ids)
             else:
                 offline.generate(llm, case.stored.context_ids, max_tokens=1)
             warm_s = time.perf_counter() - began
@@ -273,7 +295,9 @@ def run_cell(
                 "accuracy": tasks.score_needle(text, needle.passkey),
                 "seconds": out.seconds,
                 "warm_s": warm_s,
-                "store_request": "reconstruct" if reconstruct else "context",
+                "store_request": (
+                    "reconstruct" if reconstruct else "surprisal" if surprisal else "context"
+                ),
                 "reconstruct_s": recon_s,
                 "expected_hit_chunks": expected,
             }
@@ -308,7 +332,7 @@ def model_positions(folder: str) -> int:
 def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
     """Every (model, context, cell); rows carry ``engine, model, policy, budget,
     compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
-    from connectors import offline
+    from lmcompact.vllm import offline
 
     offline.in_process_env(kv_cache_gib=1)
     from transformers import AutoTokenizer
@@ -348,9 +372,16 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                 }
                 wanted = (2 * context if recon else context) + 64 + config.new_tokens
                 max_model_len = min(wanted, max(positions, context + 64 + config.new_tokens))
+                surprisal = uses_surprisal(mode, policy, config)
                 try:
                     llm = offline.build_llm(
-                        folder, extra, max_model_len=max_model_len, connector=CONNECTOR
+                        folder,
+                        extra,
+                        max_model_len=max_model_len,
+                        connector=CONNECTOR,
+                        # prompt logprobs hold (step tokens x vocab) floats a few times over:
+                        # 4k x 262k (Gemma-3) in one step ran out of memory here
+                        max_num_batched_tokens=SURPRISAL_STEP if surprisal else None,
                     )
                 except Exception as error:  # a refused config is a result, not a crash
                     logger.error("%s %s %s refused: %s", mode, policy, budget, error)
@@ -362,7 +393,15 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     continue
                 try:
                     cell_rows = run_cell(
-                        llm, tokenizer, cases, mode, config, bar, recon, max_model_len - 1
+                        llm,
+                        tokenizer,
+                        cases,
+                        mode,
+                        config,
+                        bar,
+                        recon,
+                        max_model_len - 1,
+                        surprisal=surprisal,
                     )
                 finally:
                     offline.shutdown(llm)

@@ -12,8 +12,16 @@ cropped to ``T``, is the context's KV::
     keys        0 ........ T-1                                   2T+r-1
     queries                                     [ T+r ...... 2T+r-1 ] -> scores (Hkv, T)
 
+The pass runs the decoder without the LM head (a ``(2T + r, vocab)`` logits tensor is
+4 GiB for Gemma-3 at 2k); the head is applied to the first copy only, chunk by chunk, for
+each context token's surprisal ``-log p(token | prefix)`` (:attr:`Reconstruction.surprisal`).
+The cache holds every layer whole (no sliding-window cache layers), so sliding-window
+models crop correctly; their masks still apply each layer's window by logical position.
+Scores of sliding-window layers are computed like the others but mean little: their
+repeat queries cannot see the first copy (:attr:`Reconstruction.sliding` names them).
+
 The vLLM connector computes the same scores from the same positions of a real engine
-request (``connectors/reconstruct.py``).
+request (``lmcompact/vllm/reconstruct.py``).
 """
 
 from __future__ import annotations
@@ -44,13 +52,43 @@ class Reconstruction:
 
     Attributes:
         scores: ``(L, Hkv, T)`` float32 per-key scores of the context.
-        cache: The context's KV (the pass's cache cropped to ``T``).
+        cache: The context's KV (the pass's cache cropped to ``T``), every layer whole.
         context_len: ``T``.
+        surprisal: ``(T,)`` float32 ``-log p(context[i] | context[:i])`` (0 at i = 0).
+        sliding: indices of the model's sliding-window layers (``config.layer_types``).
     """
 
     scores: torch.Tensor
     cache: DynamicCache
     context_len: int
+    surprisal: torch.Tensor
+    sliding: tuple[int, ...] = ()
+
+
+def sliding_layers(config: Any) -> tuple[int, ...]:
+    """Indices of the sliding-window layers a transformers config declares (none: ``()``)."""
+    types = getattr(config, "layer_types", None) or ()
+    return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
+@torch.no_grad()
+def surprisal(model: Any, hidden: torch.Tensor, ids: list[int], chunk: int = 256) -> torch.Tensor:
+    """``(T,)`` ``-log p(ids[i] | ids[:i])`` from the decoder's ``(T, hidden)`` last states.
+
+    The LM head runs on ``chunk`` positions at a time; position 0 gets 0.
+    """
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    target = torch.tensor(ids[1:])
+    out = torch.zeros(len(ids))
+    for lo in range(0, len(ids) - 1, chunk):
+        hi = min(lo + chunk, len(ids) - 1)
+        logits = head(hidden[lo:hi]).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        logp = torch.log_softmax(logits, dim=-1)
+        out[lo + 1 : hi + 1] = -logp.gather(1, target[lo:hi, None])[:, 0]
+    return out
 
 
 @torch.no_grad()
@@ -109,11 +147,19 @@ def reconstruct(
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        cache = DynamicCache()  # every layer whole: a sliding-window layer must crop too
+        hidden = model.get_decoder()(
+            input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True
+        ).last_hidden_state[0, :t]
     finally:
         model.set_attn_implementation(previous)
     cache.crop(t - len(ids))  # drop the repeat and the second copy
     stacked = torch.stack([scores[i] for i in sorted(scores)])
     logger.debug("reconstruction pass over %d tokens scored %d layers", len(ids), len(scores))
-    return Reconstruction(scores=stacked, cache=cache, context_len=t)
+    return Reconstruction(
+        scores=stacked,
+        cache=cache,
+        context_len=t,
+        surprisal=surprisal(model, hidden, list(context_ids)),
+        sliding=sliding_layers(model.config),
+    )

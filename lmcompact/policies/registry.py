@@ -37,6 +37,7 @@ _BUILTIN: dict[str, str] = {
     "duoattention": "lmcompact.policies.duoattention:DuoAttention",
     "kvzip": "lmcompact.policies.kvzip:KVzip",
     "expected_attention": "lmcompact.policies.expected_attention:ExpectedAttention",
+    "self_info": "lmcompact.policies.self_info:SelfInformation",
 }
 
 _registered: dict[str, type[CompactionPolicy]] = {}

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from device_env import block_size, dtype, environment, on_cuda, write_report
 
-from connectors.offline import worker_connector
+from lmcompact.vllm.offline import worker_connector
 from tests.integration.vllm.probes import (
     PrefillRecorder,
     attention_vs_reference,
@@ -129,9 +129,9 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 def engine(
     model: Path, extra: dict[str, Any] | None, *, prefix_caching: bool = False
 ) -> AbstractContextManager[Any]:
-    """An in-process ``LLM`` (:func:`connectors.offline.engine`); ``extra`` None runs
+    """An in-process ``LLM`` (:func:`lmcompact.vllm.offline.engine`); ``extra`` None runs
     without the connector."""
-    from connectors.offline import engine as offline_engine
+    from lmcompact.vllm.offline import engine as offline_engine
 
     options: dict[str, Any] = {"gpu_memory_utilization": 0.25} if on_cuda() else {}
     return offline_engine(

@@ -6,7 +6,7 @@ the pure-Python msgpack and the cp312 xxhash wheel unpacked there), and records 
 a result came from. A script may set any of these variables itself before importing this
 module; ``setdefault`` keeps its value.
 
-The scripts run engines through the project's one builder (:mod:`connectors.offline`) and
+The scripts run engines through the project's one builder (:mod:`lmcompact.vllm.offline`) and
 look inside them with the integration tests' harness (``tests/integration/vllm*/``); this
 module adds only what the device needs on top: dtype and block size per device, the
 memory-connector engine of the memory checks, and the JSON report.
@@ -52,7 +52,7 @@ def block_size() -> int:
 
 def environment() -> dict[str, Any]:
     """Python, torch, vLLM and GPU of this run."""
-    from connectors.vllm_shim import vllm_version
+    from lmcompact.vllm.vllm_shim import vllm_version
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -73,8 +73,8 @@ def dtype() -> str:
 def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractContextManager[Any]:
     """``LMCompactMemoryConnector`` engine of the memory checks (``--model``,
     ``--load-format``, ``--prompt-tokens``, ``--new-tokens``, ``--requests``,
-    ``--gpu-memory-utilization``), built by :func:`connectors.offline.engine`."""
-    from connectors.offline import engine
+    ``--gpu-memory-utilization``), built by :func:`lmcompact.vllm.offline.engine`."""
+    from lmcompact.vllm.offline import engine
 
     options: dict[str, Any] = {}
     if on_cuda():

@@ -9,7 +9,7 @@ budget, then checks:
   blocks at every step, one merge ran per block that left, the pool is balanced at the end.
 * ``h2o_key_mass``: for every scored layer call, the key mass the connector accumulated
   (Triton ``paged_attention(..., return_key_mass=True)`` on CUDA) equals the torch
-  :func:`connectors.memory.heavy_hitters.key_mass` on keys read through the page layout.
+  :func:`lmcompact.vllm.memory.heavy_hitters.key_mass` on keys read through the page layout.
 * ``h2o_merge``: after every merge, each (layer, kv head)'s kept region holds exactly the
   top-scored candidates (kept region minus sinks + the merged block) by the scores the
   worker held before the merge, recomputed here.
@@ -47,13 +47,13 @@ from device_env import (
     write_report,
 )
 
-from connectors.offline import worker_connector
+from lmcompact.vllm.offline import worker_connector
 from tests.integration.vllm_memory.harness import engine_request_ids, held_blocks, run, scheduler
 
 
 def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from connectors.memory.blocks import audit_pool
-    from connectors.memory.heavy_hitters import key_mass
+    from lmcompact.vllm.memory.blocks import audit_pool
+    from lmcompact.vllm.memory.heavy_hitters import key_mass
 
     bs = block_size()
     extra = {

@@ -51,7 +51,7 @@ from device_env import (
     write_report,
 )
 
-from connectors.offline import worker_connector
+from lmcompact.vllm.offline import worker_connector
 from tests.integration.vllm_memory.harness import (
     engine_request_ids,
     held_blocks,
@@ -65,7 +65,7 @@ class WindowRecorder:
     """Wraps ``observe_layer`` as the pack calls it; keeps inputs and outputs of a few layers."""
 
     def __init__(self, layers: list[int], limit: int) -> None:
-        import connectors.memory.packing as packing
+        import lmcompact.vllm.memory.packing as packing
 
         self.packing = packing
         self.original = packing.observe_layer
@@ -80,9 +80,9 @@ class WindowRecorder:
             self.count += 1
             mass, rows = self.original(keys, values, queries, *rest)
             if index in self.layers and len(self.calls) < self.limit and mass is not None:
-                from connectors.compaction import SCORE_NEEDS
                 from lmcompact.kernels import dispatch
                 from lmcompact.policies import Need
+                from lmcompact.vllm.compaction import SCORE_NEEDS
 
                 needs = rest[2]
                 self.calls.append(
@@ -114,9 +114,9 @@ class WindowRecorder:
 
 # ------------------------------------------------------------------------------- checks
 def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from connectors.memory.blocks import audit_pool
     from lmcompact.attention.scores import window_scores
     from lmcompact.kernels import dispatch
+    from lmcompact.vllm.memory.blocks import audit_pool
 
     extra = {
         "policy": args.policy,
@@ -285,7 +285,7 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def check_uniform(args: argparse.Namespace) -> dict[str, Any]:
-    from connectors.memory.blocks import audit_pool
+    from lmcompact.vllm.memory.blocks import audit_pool
 
     extra = {
         "policy": "snapkv",

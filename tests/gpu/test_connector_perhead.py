@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.compaction import observe_layer
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import make_layout
-from connectors.memory.perhead import masked_decode_attention
-from connectors.memory.perhead_attention import PerHeadAttention
 from lmcompact.attention.scores import window_scores
 from lmcompact.policies import Need
+from lmcompact.vllm.compaction import observe_layer
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.perhead import masked_decode_attention
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,11 @@ cut in the runner's input buffers):
   (layer, kv head), to exactly the tokens the pack kept plus the unpacked tail; and they
   are closer to it than to the same reference over the whole prompt, with the decode steps
   replayed as full graphs over tables the connector cut;
-* several packed requests decoding together give the same tokens with full graphs as with
-  eager execution.
+* several packed requests decoding together decode with full graphs as with eager
+  execution: the same tokens and log-probabilities up to the first bf16 near tie (the two
+  modes run different kernels, so exact token equality is not a valid criterion: on the
+  H200 the first of four requests left the eager tokens at its sixth token, in a
+  repeating 3-token loop of this random model; this test checks that it is a near tie).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def engine(
     """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``) and vLLM's own token
     budget per step, through the one engine builder; ``overrides`` are ``LLM`` keywords."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from connectors.offline import engine as offline_engine
+    from lmcompact.vllm.offline import engine as offline_engine
 
     return offline_engine(
         str(model),
@@ -173,7 +176,7 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
 ) -> None:
     from transformers import LlamaForCausalLM
 
-    from connectors.memory.device_pack import DevicePacker
+    from lmcompact.vllm.memory.device_pack import DevicePacker
 
     recorded: list[torch.Tensor] = []
     original = DevicePacker.pack
@@ -238,11 +241,42 @@ def _worker_half() -> Any:
     return connector.worker_half
 
 
+Steps = list[tuple[int, dict[int, float]]]  # per generated token: (token, top log-probs)
+
+TIE = 0.05  # log-prob gap under which two kernels' roundings may pick either token
+
+
+def _steps(output: Any) -> Steps:
+    return [
+        (int(token), {int(t): float(lp.logprob) for t, lp in entry.items()})
+        for token, entry in zip(output.token_ids, output.logprobs, strict=True)
+    ]
+
+
+def assert_same_decode_up_to_ties(full: Steps, eager: Steps) -> None:
+    """Each step's chosen token and its log-probability agree (within ``TIE``) until the
+    first step where the two runs pick different tokens; that step must be a near tie in
+    both runs (each run ranks the other's token within ``TIE`` of its own), after which the
+    continuations legitimately differ. Full graphs and eager steps use different kernels
+    (FlashAttention's split schedule, vLLM's fused custom ops), so bf16 logits round
+    differently; a wrong key-length or block-table cut moves log-probs by ~1 (the first
+    version of the buffer cut: 1.76), far above ``TIE``."""
+    for (tok_f, top_f), (tok_e, top_e) in zip(full, eager, strict=True):
+        if tok_f == tok_e:
+            assert abs(top_f[tok_f] - top_e[tok_e]) < TIE, (top_f, top_e)
+            continue
+        assert tok_e in top_f and top_f[tok_f] - top_f[tok_e] < TIE, (tok_f, tok_e, top_f)
+        assert tok_f in top_e and top_e[tok_e] - top_e[tok_f] < TIE, (tok_f, tok_e, top_e)
+        return
+
+
 def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
     from vllm import SamplingParams
 
     prompts = [prompt(10 + i)[: PROMPT - 97 * i] for i in range(4)]  # 4 lengths, 4 holes
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=5
+    )
     extra = {
         "policy": "snapkv",
         "budget": 0.25,
@@ -251,14 +285,15 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
         "window": 32,
         "memory": {"prefill": "pack"},
     }
-    runs: dict[str, list[list[int]]] = {}
+    runs: dict[str, list[Steps]] = {}
     # full graphs over buffer cuts against eager steps over per-layer metadata cuts
     for name in ("full", "eager"):
         options, overrides = GRAPH_MODES[name]
         with engine(model_dir, {**extra, **options}, **overrides) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            runs[name] = [list(o.outputs[0].token_ids) for o in outs]
+            runs[name] = [_steps(o.outputs[0]) for o in outs]
             stats = dict(_worker_half().stats)
-        print(name, runs[name], {k: stats[k] for k in ("rows_cut_in_buffers",)})
+        print(name, [[t for t, _ in r] for r in runs[name]], stats.get("rows_cut_in_buffers"))
         assert (stats["rows_cut_in_buffers"] >= 4 * 10) == (name == "full")
-    assert runs["full"] == runs["eager"]
+    for full, eager in zip(runs["full"], runs["eager"], strict=True):
+        assert_same_decode_up_to_ties(full, eager)

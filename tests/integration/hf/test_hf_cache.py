@@ -162,9 +162,9 @@ def test_window_scores_match_eager_attention(loaded: tuple[Any, Any], prompt: to
 def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.Tensor) -> None:
     """The transformers path and the vLLM save path score kvzip alike: the context scores
     captured inside the forward equal the connector's on the same queries and keys."""
-    from connectors.compaction import SaveJob, observe_context
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.hf.observe import rope_from_model
+    from lmcompact.vllm.compaction import SaveJob, observe_context
 
     model, _ = loaded
     captured: dict[str, torch.Tensor] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
+from lmcompact.vllm.connector import LMCompactConnector, LMCompactMetadata
 from tests.integration.vllm.tensor_walk import tensors_in
 
 

@@ -4,7 +4,7 @@ compacted KV (tests only).
 Loaded by module path (``PrefixCheckedConnector``, ``PrefixCheckedMemoryConnector``). After
 the real connector planned a step (``build_connector_meta``), with what the step's own
 metadata says and vLLM's block rows, independently of the connector's
-:class:`~connectors.memory.blocks.PrefixCacheGuard` bookkeeping:
+:class:`~lmcompact.vllm.memory.blocks.PrefixCacheGuard` bookkeeping:
 
 * every block a pack of this step will rewrite is held by its request alone and carries no
   prefix-cache hash;
@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from connectors import vllm_shim as shim
-from connectors.lmcompact_connector import LMCompactConnector, LMCompactMetadata
-from connectors.memory.connector import LMCompactMemoryConnector
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.connector import LMCompactConnector, LMCompactMemoryConnector, LMCompactMetadata
 
 
 class PrefixChecks:
@@ -72,7 +71,7 @@ class PrefixChecks:
                     )
             self._mark(job.req_id, first)
             self.packs_checked += 1
-        if kept < self.config.chunk_size:
+        if kept < self.config.store.chunk_size:
             for load in meta.step.loads:
                 self._mark(load.req_id, load.start // bs)
         for sched in shim.scheduled_requests(scheduler_output):

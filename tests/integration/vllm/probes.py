@@ -59,7 +59,7 @@ def stored_chunks(connector: Any, prompt: list[int], chunk_size: int | None = No
     """The stored chunks of ``prompt`` (None where a chunk is missing)."""
     from lmcompact.store import ChunkKeyer
 
-    keyer = ChunkKeyer(connector.namespace, chunk_size or connector.config.chunk_size)
+    keyer = ChunkKeyer(connector.namespace, chunk_size or connector.config.store.chunk_size)
     return connector.store.get_many(keyer.keys(prompt))
 
 

@@ -1,7 +1,7 @@
 """The connector's INFO lines reach the engine's log, in-process and multiprocess.
 
 vLLM configures only its own ``vllm`` logger tree; the connector hands its package loggers
-vLLM's handlers when it is constructed (:func:`connectors.vllm_shim.share_engine_logging`).
+vLLM's handlers when it is constructed (:func:`lmcompact.vllm.vllm_shim.share_engine_logging`).
 Each case runs a real engine in a subprocess, as a user would, and reads its output.
 """
 
@@ -23,7 +23,7 @@ SCRIPT = """
 import sys
 from vllm import SamplingParams
 
-from connectors.offline import build_llm
+from lmcompact.vllm.offline import build_llm
 
 if __name__ == "__main__":
     extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": 256, "async_save": False,
@@ -63,10 +63,10 @@ def test_connector_lines_in_engine_log(
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     expected = [
-        r"INFO .*\[lmcompact_connector\.py:\d+\] LMCompactConnector .*policy=snapkv "
+        r"INFO .*\[connector\.py:\d+\] LMCompactConnector .*policy=snapkv "
         r"budget=0\.5 chunk=256 tiers=\['cpu'\]",
         r"INFO .*LMCompactConnector worker: 30 layers, .*policy snapkv, kept 128/256",
-        r"INFO .*LMCompactMemoryConnector .*prefill=pack",
+        r"INFO .*LMCompactConnector .* release: prefill=pack",
         # one line per compacted request: 18 full blocks packed to 9, 2 chunks stored
         r"INFO .*compacted \S+ in place: kept 288 of 576 prompt tokens",
         r"INFO .*stored \S+: 2/2 chunks, kept 256 of 512 tokens",

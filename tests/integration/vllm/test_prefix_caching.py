@@ -36,7 +36,7 @@ BASE = {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK, "window": 16, "a
 MEMORY = {**BASE, "memory": {"prefill": "pack", "min_prompt_tokens": 512}}
 CHECKED_MEMORY = ("PrefixCheckedMemoryConnector", "tests.integration.vllm.prefix_checked")
 CHECKED_STORE = ("PrefixCheckedConnector", "tests.integration.vllm.prefix_checked")
-STORE = ("LMCompactConnector", "connectors.lmcompact_connector")
+STORE = ("LMCompactConnector", "lmcompact.vllm.connector")
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ BLOCK_SIZE = 32
 def _llm(model: str, tp: int, extra: dict[str, Any], connector: str, num_blocks: int | None) -> Any:
     from vllm import LLM
 
-    from connectors.offline import transfer_config
+    from lmcompact.vllm.offline import transfer_config
 
     kwargs: dict[str, Any] = {}
     if num_blocks is not None:
@@ -105,7 +105,7 @@ def run_memory(
     """Every prompt at once, stepped by hand; the pool audited after every step."""
     from vllm import SamplingParams
 
-    from connectors.memory.blocks import audit_pool
+    from lmcompact.vllm.memory.blocks import audit_pool
 
     llm = _llm(model, tp, extra, "LMCompactMemoryConnector", num_blocks)
     engine = llm.llm_engine

@@ -11,7 +11,7 @@ from tests.integration.vllm.engine import BLOCK_SIZE, transfer_config
 __all__ = ["BLOCK_SIZE", "memory_engine", "memory_transfer_config"]
 
 
-MEMORY_CONNECTOR = ("LMCompactMemoryConnector", "connectors.memory.connector")
+MEMORY_CONNECTOR = ("LMCompactMemoryConnector", "lmcompact.vllm.connector")
 
 
 def memory_transfer_config(
@@ -40,7 +40,7 @@ def memory_engine(
         connector: ``(class name, module path)`` of the connector.
         prefix_caching: vLLM's ``enable_prefix_caching``.
     """
-    from connectors.offline import engine as offline_engine
+    from lmcompact.vllm.offline import engine as offline_engine
 
     with offline_engine(
         model,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connectors.memory.connector import LMCompactMemoryConnector
+from lmcompact.vllm.connector import LMCompactMemoryConnector
 
 
 class PoolOnlyMemoryConnector(LMCompactMemoryConnector):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.memory.blocks import audit_pool
+from lmcompact.vllm.memory.blocks import audit_pool
 from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 from tests.integration.vllm_memory.harness import kv_manager, memory_engine, run, scheduler
 

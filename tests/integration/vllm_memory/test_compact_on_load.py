@@ -41,7 +41,7 @@ EXTRA: dict[str, Any] = {
 def test_stored_whole_then_packed_at_load(smollm2_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from connectors.offline import worker_connector
+    from lmcompact.vllm.offline import worker_connector
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path))
     stored = build_stored_context(tokenizer, CONTEXT, 1, [0.25, 0.75], text_stream(1))
@@ -78,7 +78,7 @@ def test_stored_whole_then_packed_at_load(smollm2_path: Path) -> None:
 @pytest.mark.parametrize(
     ("connector", "policy", "memory", "match"),
     [
-        (("LMCompactConnector", "connectors.lmcompact_connector"), "snapkv", None, "packs prompts"),
+        (("LMCompactConnector", "lmcompact.vllm.connector"), "snapkv", None, "packs prompts"),
         (MEMORY_CONNECTOR, "snapkv", {"prefill": "off"}, "memory.prefill must be"),
         (MEMORY_CONNECTOR, "kvzip", {"prefill": "pack"}, "does not compute"),
     ],

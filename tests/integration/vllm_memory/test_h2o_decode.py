@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from connectors.memory.blocks import audit_pool
+from lmcompact.vllm.memory.blocks import audit_pool
 from tests.integration.vllm_memory.harness import (
     BLOCK_SIZE,
     MEMORY_CONNECTOR,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from connectors.memory.blocks import audit_pool
+from lmcompact.vllm.memory.blocks import audit_pool
 from tests.integration.vllm_memory.harness import (
     BLOCK_SIZE,
     engine_request_ids,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from connectors.memory.blocks import audit_pool
-from connectors.memory.perhead import masked_decode_attention
+from lmcompact.vllm.memory.blocks import audit_pool
+from lmcompact.vllm.memory.perhead import masked_decode_attention
 from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 from tests.integration.vllm_memory.harness import (
     BLOCK_SIZE,

@@ -73,8 +73,8 @@ def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
-    import connectors.memory.connector as memory_connector
-    from connectors.worker_side import WorkerHalf
+    import lmcompact.vllm.memory.release_worker as memory_connector
+    from lmcompact.vllm.worker_side import WorkerHalf
 
     seen = Seen()
     pack = memory_connector.pack_in_place

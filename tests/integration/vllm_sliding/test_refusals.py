@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.offline import build_llm
+from lmcompact.vllm.offline import build_llm
 from tests.integration.vllm_memory.harness import memory_engine
 
 pytestmark = pytest.mark.integration

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.compaction import SaveJob, compact_job, observe_layer, uniform_keep
-from connectors.config import ConnectorConfig, validate_against_engine
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import CpuPageLayout, GpuPageLayout, make_layout
 from lmcompact.attention.scores import window_scores
 from lmcompact.policies import Need, make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
+from lmcompact.vllm.compaction import SaveJob, compact_job, observe_layer, uniform_keep
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import CpuPageLayout, GpuPageLayout, make_layout
 
 
 def engine_checks(config: ConnectorConfig, **overrides: object) -> None:
@@ -28,7 +29,7 @@ def engine_checks(config: ConnectorConfig, **overrides: object) -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"polcy": "none"}, "unknown kv_connector_extra_config keys"),
+        ({"polcy": "none"}, "unknown kv_connector_extra_config option"),
         ({"policy": "nope"}, "unknown policy 'nope'"),
         ({"budget": 1.5}, r"budget must be a kept fraction in \(0, 1\]"),
         ({"tiers": ["disk"]}, "tiers must be"),
@@ -63,7 +64,7 @@ def test_engine_checks() -> None:
         num_layers=30,
         num_kv_heads=3,
         head_dim=64,
-        per_head_counts=True,  # the memory connector's per_head mode masks the padding
+        per_head_counts=True,  # release.per_head masks the padding
     )
     with pytest.raises(ValueError, match="CUMULATIVE_SCORES"):  # needs are still checked
         validate_against_engine(

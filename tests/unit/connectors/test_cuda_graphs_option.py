@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.config import ConnectorConfig
-from connectors.lmcompact_connector import LMCompactConnector
-from connectors.memory.connector import LMCompactMemoryConnector
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.connector import LMCompactConnector, LMCompactMemoryConnector
 
 
 def test_default_is_piecewise_and_full_is_opt_in() -> None:
@@ -14,7 +13,7 @@ def test_default_is_piecewise_and_full_is_opt_in() -> None:
     assert LMCompactConnector.requires_piecewise_for_cudagraph({})
     assert not LMCompactConnector.requires_piecewise_for_cudagraph({"cuda_graphs": "full"})
     assert not LMCompactMemoryConnector.requires_piecewise_for_cudagraph(
-        {"cuda_graphs": "full", "memory": {"prefill": "pack"}}
+        {"policy": "snapkv", "budget": 0.25, "cuda_graphs": "full", "release": {"prefill": "pack"}}
     )
 
 
@@ -22,8 +21,11 @@ def test_default_is_piecewise_and_full_is_opt_in() -> None:
     "memory", [{"per_head": {"slack": 1.5}}, {"decode_policy": "h2o", "decode_budget_tokens": 64}]
 )
 def test_modes_working_inside_attention_calls_stay_piecewise(memory: dict[str, object]) -> None:
-    extra = {"cuda_graphs": "full", "memory": memory}
+    extra = {"policy": "snapkv", "budget": 0.25, "cuda_graphs": "full", "memory": memory}
     assert LMCompactMemoryConnector.requires_piecewise_for_cudagraph(extra)
+    extra = {"policy": "snapkv", "budget": 0.25, "cuda_graphs": "full", "release": memory}
+    assert LMCompactConnector.requires_piecewise_for_cudagraph(extra)
+    assert not LMCompactConnector.requires_piecewise_for_cudagraph({**extra, "release": False})
 
 
 def test_bad_value_names_the_key() -> None:

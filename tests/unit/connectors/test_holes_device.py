@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.holes import (
+from lmcompact.vllm.holes import (
     Hole,
     cut_holes_in_place,
     keyed_by_last_block,

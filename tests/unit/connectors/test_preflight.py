@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.preflight import check_extra_config, check_transfer_config, transfer_config_arg
+from lmcompact.vllm.preflight import check_extra_config, check_transfer_config, transfer_config_arg
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,7 +28,8 @@ def _transfer(connector: str, extra: dict[str, object]) -> str:
         ("LMCompactConnector", {"budget": 2.0}, "budget"),
         ("LMCompactConnector", {"tiers": ["disk"]}, "tiers"),
         ("LMCompactConnector", {"bogus": 1}, "bogus"),
-        ("LMCompactConnector", {"memory": {"prefill": "pack"}}, "LMCompactMemoryConnector"),
+        ("LMCompactConnector", {"release": {"prefill": "pack"}}, "compacting policy"),
+        ("LMCompactConnector", {"store": {"tiers": ["disk"]}}, "store.tiers"),
         ("LMCompactMemoryConnector", {"memory": {"prefill": "sideways"}}, "memory.prefill"),
         ("LMCompactMemoryConnector", {"policy": "none", "memory": {"prefill": "pack"}}, "pack"),
     ],
@@ -42,6 +43,8 @@ def test_good_options_pass_and_foreign_connectors_are_left_to_vllm() -> None:
     assert check_transfer_config(_transfer("LMCompactConnector", {"policy": "snapkv"}))
     memory = {"policy": "snapkv", "budget": 0.25, "memory": {"prefill": "pack"}}
     assert check_transfer_config(_transfer("LMCompactMemoryConnector", memory))
+    # one connector: the old "memory" group works on LMCompactConnector too (as "release")
+    assert check_transfer_config(_transfer("LMCompactConnector", memory))
     assert not check_transfer_config(_transfer("LMCacheConnectorV1", {"anything": 1}))
     with pytest.raises(ValueError, match="JSON"):
         check_transfer_config("{not json")
@@ -65,7 +68,14 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_launcher_rejects_bad_options_before_vllm() -> None:
     bad = _transfer("LMCompactConnector", {"policy": "snapkv", "budget": 1.5})
     done = _run(
-        ["-m", "connectors.vllm_launcher", "serve", "/no/such/model", "--kv-transfer-config", bad]
+        [
+            "-m",
+            "lmcompact.vllm.vllm_launcher",
+            "serve",
+            "/no/such/model",
+            "--kv-transfer-config",
+            bad,
+        ]
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "invalid --kv-transfer-config" in done.stderr and "budget" in done.stderr

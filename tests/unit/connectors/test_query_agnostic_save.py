@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
-from connectors.compaction import SaveJob, compact_job
-from connectors.config import ConnectorConfig, validate_against_engine
-from connectors.kv_layout import CpuPageLayout
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores
 from lmcompact.policies import make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
+from lmcompact.vllm.compaction import SaveJob, compact_job
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.kv_layout import CpuPageLayout
 
 BS, H, D, LAYERS, CHUNK = 32, 2, 16, 2, 64
 NEEDLE = 64 + 21  # in the second chunk

@@ -11,17 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.compaction import SaveJob, compact_job
-from connectors.config import ConnectorConfig, check_budget_geometry, validate_against_engine
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import CpuPageLayout
-from connectors.memory.connector import pack_budget_honoured_from
-from connectors.memory.packing import plan_pack
-from connectors.memory.planner import HolePlanner, PrefillMode
-from connectors.vllm_shim import sliding_window
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
+from lmcompact.vllm.compaction import SaveJob, compact_job
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.engine_checks import check_budget_geometry, validate_against_engine
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import CpuPageLayout
+from lmcompact.vllm.memory.packing import plan_pack
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.memory.release import pack_budget_honoured_from
+from lmcompact.vllm.vllm_shim import sliding_window
 
 
 # ------------------------------------------------------------------ plans and holes

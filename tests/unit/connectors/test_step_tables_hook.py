@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.holes import cut_holes_in_place
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.holes import cut_holes_in_place
 
 BS = 4
 

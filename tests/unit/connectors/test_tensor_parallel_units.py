@@ -11,14 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors import vllm_shim as shim
-from connectors.config import ConnectorConfig
-from connectors.memory.config import MemoryConfig
-from connectors.memory.connector import LMCompactMemoryConnector
-from connectors.memory.rank_packs import RankPacks
-from connectors.metadata import StepMetadata, WorkerReport
-from connectors.scheduler_side import SchedulerHalf
 from lmcompact.store import ChunkKeyer, CompactedChunk, StoreConfig, StoreNamespace, TieredStore
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.config import ConnectorConfig
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.rank_packs import RankPacks
+from lmcompact.vllm.memory.release import refuse_under_tensor_parallel
+from lmcompact.vllm.metadata import StepMetadata, WorkerReport
+from lmcompact.vllm.options import parse
+from lmcompact.vllm.scheduler_side import SchedulerHalf
 
 CHUNK = 64
 
@@ -126,12 +127,12 @@ def test_one_refusing_rank_fails_the_load(half: SchedulerHalf) -> None:
 )
 def test_per_head_and_h2o_refused_under_tp(memory: dict[str, object], refused: str) -> None:
     for tp_size in (1, 2):
-        fake = SimpleNamespace(facts=_facts(tp_size), memory=MemoryConfig.from_extra(memory))
+        release = parse(ReleaseOptions, memory, "release")
         if tp_size == 1:
-            LMCompactMemoryConnector._refuse_under_tensor_parallel(fake)  # type: ignore[arg-type]
+            refuse_under_tensor_parallel(release, tp_size)
             continue
-        with pytest.raises(ValueError, match=f"{refused}.*tensor_parallel_size 2"):
-            LMCompactMemoryConnector._refuse_under_tensor_parallel(fake)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"release.*{refused}.*tensor_parallel_size 2"):
+            refuse_under_tensor_parallel(release, tp_size)
 
 
 def test_kv_heads_must_split_across_ranks() -> None:

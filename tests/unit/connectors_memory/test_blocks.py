@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool
 
-from connectors.memory.blocks import (
+from lmcompact.vllm.memory.blocks import (
     BlockAccountingError,
     BlockLedger,
     PrefixCacheGuard,

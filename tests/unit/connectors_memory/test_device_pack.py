@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.memory.device_pack import DEVICE_SCORERS, device_scores, select_kept
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+from lmcompact.vllm.memory.device_pack import DEVICE_SCORERS, device_scores, select_kept
 
 CASES = [
     ("snapkv", {}),

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import make_layout
-from connectors.memory.config import MemoryConfig
-from connectors.memory.heavy_hitters import HeavyHitterScores, MergeJob, merge_heavy_hitters
-from connectors.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.config import ReleaseOptions
+from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores, MergeJob, merge_heavy_hitters
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.options import parse
 
 BS, H, G, D, L = 4, 2, 2, 8, 2
 SCALE = 1 / math.sqrt(D)
@@ -94,10 +95,12 @@ def test_planner_opens_decode_hole_after_the_kept_region() -> None:
 
 
 def test_config_h2o_options() -> None:
-    config = MemoryConfig.from_extra({"decode_budget_tokens": 8 * BS, "decode_policy": "h2o"})
+    config = parse(
+        ReleaseOptions, {"decode_budget_tokens": 8 * BS, "decode_policy": "h2o"}, "release"
+    )
     assert config.decode_recent_blocks(BS) == 4
-    assert MemoryConfig(decode_budget_tokens=8 * BS).decode_recent_blocks(BS) is None
-    bad = [
+    assert ReleaseOptions(decode_budget_tokens=8 * BS).decode_recent_blocks(BS) is None
+    bad: list[tuple[dict[str, object], str]] = [
         ({"decode_policy": "lru", "decode_budget_tokens": 64}, "decode_policy"),
         ({"decode_policy": "h2o"}, "needs decode_budget_tokens"),
         ({"decode_recent_tokens": 16, "decode_budget_tokens": 64}, "needs decode_policy"),
@@ -108,19 +111,19 @@ def test_config_h2o_options() -> None:
     ]
     for options, message in bad:
         with pytest.raises(ValueError, match=message):
-            MemoryConfig.from_extra(options)
-    unaligned = MemoryConfig(
+            parse(ReleaseOptions, options, "release")
+    unaligned = ReleaseOptions(
         decode_budget_tokens=8 * BS, decode_policy="h2o", decode_recent_tokens=5
     )
     with pytest.raises(ValueError, match="multiple of the block size"):
         unaligned.decode_recent_blocks(BS)
-    no_room = MemoryConfig(
+    no_room = ReleaseOptions(
         decode_budget_tokens=8 * BS, decode_policy="h2o", decode_recent_tokens=7 * BS
     )
     with pytest.raises(ValueError, match="kept region"):
         no_room.decode_recent_blocks(BS)
     with pytest.raises(ValueError, match="prefill mode 'blocks'"):
-        MemoryConfig(decode_budget_tokens=64, decode_policy="h2o").prefill_mode(
+        ReleaseOptions(decode_budget_tokens=64, decode_policy="h2o").prefill_mode(
             "streaming_llm", True
         )
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.kv_layout import make_layout
-from connectors.memory.packing import WindowQueries, pack_in_place, plan_pack
 from lmcompact.policies import make_policy
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place, plan_pack
 
 BS, H, D = 8, 2, 4
 

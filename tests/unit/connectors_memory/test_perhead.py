@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from connectors.kv_layout import make_layout
-from connectors.memory.perhead import masked_decode_attention, pack_per_head
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.perhead import masked_decode_attention, pack_per_head
 
 BS, H, G, D = 8, 2, 2, 4
 

@@ -2,7 +2,7 @@
 
 The metadata here is a stand-in with the three fields the recompute reads (the real
 engine's is exercised in tests/integration/vllm_memory/test_per_head.py). The expected
-rows come from :func:`connectors.memory.perhead.masked_decode_attention` on the
+rows come from :func:`lmcompact.vllm.memory.perhead.masked_decode_attention` on the
 *physical* block row with the hole, not the hole-skipped row the recompute reads.
 """
 
@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.holes import Hole, skip_holes
-from connectors.kv_layout import make_layout
-from connectors.memory.perhead import masked_decode_attention
-from connectors.memory.perhead_attention import PerHeadAttention
+from lmcompact.vllm.holes import Hole, skip_holes
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.perhead import masked_decode_attention
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 
 BS, H, G, D, L = 8, 2, 2, 4, 2
 SCALE = 1 / math.sqrt(D)

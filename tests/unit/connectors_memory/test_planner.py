@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
 
 BS = 32
 

@@ -27,11 +27,14 @@ def test_budget_plans_baseline_first_then_one_pack_per_budget() -> None:
     assert plans[2][1] == {
         "policy": "snapkv",
         "budget": 0.5,
-        "save": False,
-        "load": False,
         "window": 16,
-        "memory": {"prefill": "pack"},
+        "store": False,
+        "release": {"prefill": "pack"},
     }
+    from lmcompact.vllm.config import ConnectorConfig  # the one connector takes the plan as is
+
+    config = ConnectorConfig.from_extra(plans[2][1])
+    assert config.release is not None and not config.store.enabled
 
 
 def test_bench_command(monkeypatch: pytest.MonkeyPatch) -> None:

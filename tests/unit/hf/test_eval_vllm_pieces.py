@@ -171,3 +171,14 @@ def test_merge_accepts_an_earlier_merge() -> None:
     second = vllm_report.merge([first, {"command": "b", "config": {}, "samples": [row]}])
     assert second["commands"] == ["a", "b"]
     assert len(second["samples"]) == 1
+
+
+def test_save_mode_of_self_info_uses_the_surprisal_requests() -> None:
+    from lmcompact.eval.vllm_runner import uses_reconstruction, uses_surprisal
+
+    config = VllmEvalConfig(policies=["self_info", "kvzip", "snapkv"])
+    assert uses_surprisal("save", "self_info", config)
+    assert not uses_reconstruction("save", "self_info", config)
+    assert not uses_surprisal("load", "self_info", config)
+    assert not uses_surprisal("save", "kvzip", config)
+    assert not uses_surprisal("save", "snapkv", config)

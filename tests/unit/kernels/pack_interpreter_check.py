@@ -5,8 +5,8 @@ Triton kernels are defined). Exits non-zero on a mismatch. Checks:
 
 * ``gather_pages`` / ``scatter_kept`` against their torch references (fresh random pages,
   vLLM 0.26's token-major strides: memory order block -> token -> head -> K|V);
-* a whole :class:`connectors.memory.device_pack.DevicePacker` pack against the reference
-  pack (:func:`connectors.memory.packing.pack_in_place`) on the same pages, per policy.
+* a whole :class:`lmcompact.vllm.memory.device_pack.DevicePacker` pack against the reference
+  pack (:func:`lmcompact.vllm.memory.packing.pack_in_place`) on the same pages, per policy.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from connectors.kv_layout import make_layout
-from connectors.memory.device_pack import DevicePacker
-from connectors.memory.packing import WindowQueries, pack_in_place
 from lmcompact.kernels.paged_pack import (
     gather_pages,
     gather_pages_reference,
@@ -29,6 +26,9 @@ from lmcompact.kernels.paged_pack import (
     scatter_kept_reference,
 )
 from lmcompact.policies.registry import make_policy
+from lmcompact.vllm.kv_layout import make_layout
+from lmcompact.vllm.memory.device_pack import DevicePacker
+from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place
 
 FAILURES: list[str] = []
 

@@ -144,6 +144,7 @@ POLICY_CASES: list[PolicyCase] = [
     ),
     PolicyCase("kvzip", "kvzip", {"n_sink": 2, "window": 4, "max_queries": 16}),
     PolicyCase("expected_attention", "expected_attention", {"n_sink": 2, "n_future_positions": 8}),
+    PolicyCase("self_info", "self_info", {"n_sink": 2, "smooth": 3, "kernel_size": 5}),
     PolicyCase(
         "expected_attention-mean",
         "expected_attention",

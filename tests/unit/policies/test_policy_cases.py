@@ -29,6 +29,7 @@ CASE_IDS = [case.id for case in POLICY_CASES]
 BUILTIN_NAMES = {
     "none", "random", "streaming_llm", "h2o", "tova", "snapkv",
     "pyramidkv", "adakv", "knorm", "fastgen", "duoattention", "kvzip", "expected_attention",
+    "self_info",
 }  # fmt: skip
 
 

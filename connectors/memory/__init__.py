@@ -1,8 +1,0 @@
-"""Real memory saving inside vLLM: dropped tokens' KV blocks go back to the block pool.
-
-* :mod:`~connectors.memory.planner`: where each request's block-aligned hole lies (engine-free);
-* :mod:`~connectors.memory.blocks`: returns hole blocks to vLLM's pool, audits the pool;
-* :mod:`~connectors.memory.packing`: packs kept tokens of a fresh prefill into its first blocks;
-* :mod:`~connectors.memory.scheduler_side`: the per-step plan, hooked into the KV cache manager;
-* :mod:`~connectors.memory.connector`: ``LMCompactMemoryConnector``, the loadable connector.
-"""

@@ -1,0 +1,77 @@
+"""Self-information: keep the spans of a context that the model found hardest to predict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmcompact.policies._select import pool_scores
+from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+
+
+def surprisal_from_logprobs(logprobs: list[float | None]) -> list[float]:
+    """``-log p(token_i | tokens_<i)`` per prompt token from an engine's prompt logprobs
+    (vLLM's ``prompt_logprobs`` give None for the first token, which gets 0)."""
+    return [0.0 if lp is None else -float(lp) for lp in logprobs]
+
+
+@dataclass
+class SelfInformation(ScorePolicy):
+    """Keep the context's most surprising spans, one token set for every (layer, head).
+
+    Query-agnostic scoring by self-information, after Selective Context (Li et al.,
+    "Compressing Context to Enhance Inference Efficiency of Large Language Models",
+    EMNLP 2023, https://arxiv.org/abs/2310.06201) and LLMLingua (Jiang et al., 2023,
+    https://arxiv.org/abs/2310.05736), which drop prompt tokens the model predicts
+    well. Here the KV of the context is compacted instead of its text: each token's
+    score is its surprisal ``-log p(token | prefix)`` from one prefill of the context
+    (the integration supplies it as ``context_scores``, the same ``(T,)`` for every
+    layer and head: vLLM's ``prompt_logprobs``, ``lmcompact/vllm/reconstruct.py``
+    :func:`~lmcompact.vllm.reconstruct.store_surprisal_context`; transformers,
+    :func:`lmcompact.hf.reconstruct.surprisal`). Names, numbers and other facts are
+    improbable tokens; boilerplate is not. A fact is a span, so the scores are first
+    averaged over ``smooth`` tokens (a dense stretch of surprising tokens beats one
+    odd token) and then max-pooled over ``kernel_size`` (a kept span keeps its
+    neighbours whole); the first ``n_sink`` positions are always kept.
+
+    Every (layer, head) gets the same scores, so all keep the same tokens: a number keeps
+    all of its digits in every head.
+
+    Cost: the scores need a prefill of the context with the LM head on every context
+    position (one request with ``prompt_logprobs``); scoring is ``O(T)``.
+
+    Shapes: context_scores ``(H, T)`` -> scores ``(H, T)``, sinks +inf.
+
+    Attributes:
+        n_sink: Initial positions always kept (attention sinks).
+        smooth: Average-pool width over the surprisal, odd (1: none).
+        kernel_size: Max-pool width after smoothing, odd (1: none).
+    """
+
+    name = "self_info"
+    needs = Need.CONTEXT_SCORES
+    phases = Phase.PREFILL
+
+    n_sink: int = 4
+    smooth: int = 7
+    kernel_size: int = 31
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        for key in ("smooth", "kernel_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1 or value % 2 == 0:
+                raise ValueError(f"{key} must be an odd integer >= 1, got {value!r}")
+
+    def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
+        scores = inputs.layers[layer].context_scores
+        assert scores is not None  # check_inputs ran
+        raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
+        dense = pool_scores(raw, self.smooth, "avgpool")
+        pooled = pool_scores(dense, self.kernel_size, "maxpool")
+        sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
+        # pooling makes a peak's neighbours tie with it; the smoothed score breaks ties
+        return (pooled + dense * 1e-6).masked_fill(sinks, float("inf"))

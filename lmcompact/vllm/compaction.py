@@ -1,0 +1,372 @@
+"""Turn a request's copied KV pages and captured queries into compacted store chunks.
+
+Engine-free (torch + lmcompact only), so the worker can run it on a background thread and
+unit tests can run it without vLLM. One save job covers chunks ``first_chunk ..`` of a
+prompt. The captured queries are the observation window (the prompt's last ``window``
+queries: SnapKV's mass, TOVA's rows, Expected Attention's query statistics) and, for
+``kvzip``, a sample across the whole prompt (:meth:`CompactionPolicy.context_queries`);
+both are scored against every key of the span (window mass in O(W x chunk) memory,
+context scores in O(Hq x 128 x T), never S x T)::
+
+    prompt     |<- loaded from store ->|<- chunk f ->|<- chunk f+1 ->|<- tail ->|
+    pages                              [.............................. ........]
+    sampled                               q     q     q     q     q     q
+    window                                                          [ q q q q ]
+    each chunk: policy.plan(keys, values, scores sliced to the chunk) -> kept rows
+
+Chunk-local budgets (kept on purpose): every chunk keeps the same K of its C tokens per
+(layer, head), chosen by scores that were computed over the whole span (queries from
+the whole prompt, softmax over every key of the span). A global top-k across chunks
+would give each chunk its own count; the store needs a fixed count per chunk: a later
+request may hit any prefix of the chunks, and its load packs ``n * K`` slots and cuts
+a hole of ``n * (C - K)`` tokens computed from ``n`` alone (``SchedulerHalf._start``,
+``_problem`` rejects other counts). The uniform budget also guarantees coverage: no
+stretch of a stored context is emptied, which matters when the questions that will
+reuse it are unknown. Keys loaded from the store before the span are not scored (not
+in the copied pages): their share of each query's softmax is missing, a constant
+factor per query that changes the max aggregation little. Candidates carry absolute
+positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lmcompact.attention.rope import Rope
+from lmcompact.attention.scores import context_scores, window_scores
+from lmcompact.kernels import dispatch as kernels
+from lmcompact.plan import KeepPlan
+from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
+from lmcompact.store import ChunkKey, CompactedChunk
+from lmcompact.vllm.kv_layout import PageLayout
+
+logger = logging.getLogger(__name__)
+
+
+class EngineShape(Protocol):
+    """The engine facts a stored chunk must match (``vllm_shim.EngineFacts`` has them)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+SCORE_NEEDS = Need.WINDOW_SCORES | Need.WINDOW_ATTENTION
+
+
+@dataclass
+class SaveJob:
+    """Everything needed to compact and store part of one prompt (copies, not views).
+
+    Attributes:
+        req_id: vLLM request id (for logs).
+        keys: store keys of the chunks to save, in order.
+        start: first token of the span (``first_chunk * chunk_size``).
+        num_tokens: tokens of the span present in ``pages`` (chunks plus the unsaved tail).
+        pages: per layer ``(n_blocks, H, block_size, 2 * D)`` page copies from ``start``.
+        queries: per layer ``(S, Hq, D)`` post-RoPE captured queries, or None.
+        query_positions: ``(S,)`` absolute positions of the captured queries, or None.
+        scale: attention softmax scale of the model.
+        window: the last ``window`` prompt positions form the observation window; None
+            means every captured query is in it.
+        rope: the model's RoPE when known (Expected Attention rotates with it).
+        context_scores: per layer ``(H, num_tokens)`` context scores computed elsewhere
+            (a reconstruction pass, ``lmcompact/vllm/reconstruct.py``); they replace the
+            scores of the captured sample. None: computed here from ``queries``.
+    """
+
+    req_id: str
+    keys: list[ChunkKey]
+    start: int
+    num_tokens: int
+    pages: list[torch.Tensor]
+    queries: list[torch.Tensor] | None
+    query_positions: torch.Tensor | None
+    scale: float
+    window: int | None = None
+    rope: Rope | None = None
+    context_scores: list[torch.Tensor] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.start + self.num_tokens
+
+    def rows(self, policy: CompactionPolicy) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Indices into the captured queries: the window's and the context sample's."""
+        if self.query_positions is None:
+            return None, None
+        positions = self.query_positions
+        if self.window is None:
+            window = torch.arange(positions.numel())
+        else:
+            window = torch.nonzero(positions >= self.prompt_len - self.window).flatten()
+        sampled = policy.context_queries(self.prompt_len)
+        context = None
+        if sampled is not None:
+            context = torch.nonzero(torch.isin(positions, sampled)).flatten()
+        return window, context
+
+
+def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """Make one head's kept positions exactly ``count`` long (sorted, unique).
+
+    A head that kept fewer gets the most recent unkept tokens; one that kept more keeps
+    its first ``count // 2`` and last ``count - count // 2`` choices.
+    """
+    n = positions.numel()
+    if n == count:
+        return positions
+    if n > count:
+        head = count // 2
+        return torch.cat([positions[:head], positions[n - (count - head) :]])
+    mask = torch.ones(length, dtype=torch.bool)
+    mask[positions] = False
+    extra = torch.nonzero(mask).flatten()[-(count - n) :]
+    return torch.sort(torch.cat([positions, extra])).values
+
+
+def observe_layer(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    start: int,
+    needs: Need,
+    scale: float,
+    kernel_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Window mass ``(H, T)`` and rows ``(H, W, T)`` of one layer, as far as ``needs`` asks.
+
+    Keys on CUDA and no per-query rows asked: the Triton kernel
+    (:func:`lmcompact.kernels.dispatch.window_scores`) in ``kernel_dtype`` (the cache dtype,
+    so the cast is exact; default the keys' dtype). Otherwise the torch reference, in float32.
+    """
+    if not needs & SCORE_NEEDS or queries is None or queries.shape[0] == 0:
+        return None, None
+    assert query_positions is not None
+    q = queries.to(keys.device).permute(1, 0, 2).unsqueeze(0)  # (1, Hq, W, D)
+    positions = query_positions.to(keys.device) - start
+    if not needs & Need.WINDOW_ATTENTION and kernels.use_kernels(keys.device):
+        dtype = kernel_dtype or keys.dtype
+        mass = kernels.window_scores(
+            q.to(dtype).contiguous(),
+            keys.unsqueeze(0).to(dtype),
+            query_positions=positions,
+            scale=scale,
+        )
+        return mass[0], None
+    mass, rows = window_scores(
+        q,
+        keys.unsqueeze(0),
+        query_positions=positions,
+        scale=scale,
+        chunk_size=1024,
+        return_attention=bool(needs & Need.WINDOW_ATTENTION),
+    )
+    return mass[0], None if rows is None else rows[0]
+
+
+def observe_context(
+    job: SaveJob,
+    policy: CompactionPolicy,
+    keys: torch.Tensor,
+    queries: torch.Tensor | None,
+    rows: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``(H, T)`` context scores of one layer (max softmax weight over the sampled
+    queries, causal) when the policy reads them, else None."""
+    if Need.CONTEXT_SCORES not in policy.needs or queries is None or rows is None:
+        return None
+    if rows.numel() == 0:
+        return None
+    assert job.query_positions is not None
+    q = queries[rows].to(keys.device).permute(1, 0, 2).unsqueeze(0)  # (1, Hq, S, D)
+    positions = job.query_positions[rows].to(keys.device) - job.start
+    shift = policy.context_shift(job.prompt_len) if job.rope is not None else None
+    scores = context_scores(
+        q, keys.unsqueeze(0), positions, scale=job.scale, shift=shift, rope=job.rope
+    )
+    return scores[0]
+
+
+def compact_job(
+    job: SaveJob,
+    layout: PageLayout,
+    policy: CompactionPolicy,
+    chunk_size: int,
+    kept_per_chunk: int,
+    store_dtype: torch.dtype | None = None,
+    recent_layers: frozenset[int] = frozenset(),
+) -> list[tuple[ChunkKey, CompactedChunk]]:
+    """Compact every chunk of ``job``: ``(key, chunk)`` pairs ready for the store.
+
+    Args:
+        job: the copied pages and window queries.
+        layout: page layout of ``job.pages``.
+        policy: the compaction policy.
+        chunk_size: tokens per chunk (C).
+        kept_per_chunk: tokens every (layer, head) keeps of a chunk (K, block aligned).
+        store_dtype: dtype of stored K/V; None keeps the cache dtype.
+        recent_layers: sliding-window layers: whatever the policy chose, they keep each
+            chunk's last K tokens (:meth:`lmcompact.plan.KeepPlan.with_recent`), so a
+            loaded prefix's last chunk sits at logical distances in their window.
+    """
+    if kept_per_chunk > chunk_size or kept_per_chunk < 1:
+        raise ValueError(f"kept_per_chunk must be in [1, {chunk_size}], got {kept_per_chunk}")
+    n_chunks = len(job.keys)
+    if job.num_tokens < n_chunks * chunk_size:
+        raise ValueError(f"job has {job.num_tokens} tokens, {n_chunks} chunks need more")
+    per_layer: list[tuple[torch.Tensor, torch.Tensor]] = []
+    observations: list[LayerObservation] = []
+    window, context = job.rows(policy)
+    window_positions = None
+    if window is not None and job.query_positions is not None:
+        window_positions = job.query_positions[window]
+    for index, pages in enumerate(job.pages):
+        keys, values = layout.pages_to_tokens(pages)
+        keys, values = keys[:, : job.num_tokens], values[:, : job.num_tokens]
+        per_layer.append((keys, values))
+        queries = None if job.queries is None else job.queries[index]
+        window_queries = None if queries is None or window is None else queries[window]
+        mass, rows = observe_layer(
+            keys, values, window_queries, window_positions, job.start, policy.needs, job.scale
+        )
+        observations.append(
+            LayerObservation(
+                window_scores=mass,
+                window_attention=rows,
+                context_scores=(
+                    observe_context(job, policy, keys, queries, context)
+                    if job.context_scores is None
+                    else job.context_scores[index]
+                ),
+                window_queries=(
+                    window_queries.permute(1, 0, 2)
+                    if Need.WINDOW_QUERIES in policy.needs and window_queries is not None
+                    else None
+                ),
+            )
+        )
+    heads = per_layer[0][0].shape[0]
+    out: list[tuple[ChunkKey, CompactedChunk]] = []
+    for c, key in enumerate(job.keys):
+        lo, hi = c * chunk_size, (c + 1) * chunk_size
+        layers = [
+            LayerObservation(
+                keys=k[:, lo:hi],
+                values=v[:, lo:hi],
+                window_scores=None if obs.window_scores is None else obs.window_scores[:, lo:hi],
+                window_attention=(
+                    None if obs.window_attention is None else obs.window_attention[:, :, lo:hi]
+                ),
+                context_scores=(
+                    None if obs.context_scores is None else obs.context_scores[:, lo:hi]
+                ),
+                window_queries=obs.window_queries,
+            )
+            for (k, v), obs in zip(per_layer, observations, strict=True)
+        ]
+        positions = torch.arange(job.start + lo, job.start + hi).expand(heads, -1)
+        inputs = CompactionInputs(
+            chunk_size,
+            heads,
+            layers,
+            positions=positions,
+            budget_tokens=kept_per_chunk,
+            query_positions=window_positions,
+            rope=job.rope,
+            attention_scale=job.scale,
+        )
+        plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
+        if plan is not None:
+            plan = plan.with_recent(recent_layers, kept_per_chunk)
+        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))
+    return out
+
+
+def build_chunk(
+    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lo: int,
+    chunk_size: int,
+    plan: KeepPlan | None,
+    kept: int,
+    store_dtype: torch.dtype | None,
+) -> CompactedChunk:
+    """Gather kept rows of tokens ``[lo, lo + chunk_size)`` into a :class:`CompactedChunk`.
+
+    Rows are (layer, head)-major, kept tokens in original order; ``plan`` None keeps all.
+    """
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    positions_out: list[torch.Tensor] = []
+    for layer, (k, v) in enumerate(per_layer):
+        for head in range(k.shape[0]):
+            if plan is None:
+                idx = torch.arange(chunk_size)
+            else:
+                idx = uniform_keep(plan.kept[layer][head], kept, chunk_size)
+            keys_out.append(k[head, lo + idx])
+            values_out.append(v[head, lo + idx])
+            positions_out.append(idx.to(torch.int32))
+    keys = torch.cat(keys_out)
+    values = torch.cat(values_out)
+    if store_dtype is not None:
+        keys, values = keys.to(store_dtype), values.to(store_dtype)
+    counts = torch.full((len(per_layer), per_layer[0][0].shape[0]), kept, dtype=torch.int32)
+    return CompactedChunk(
+        keys=keys.contiguous(),
+        values=values.contiguous(),
+        kept_counts=counts,
+        positions=torch.cat(positions_out),
+        num_tokens=chunk_size,
+    )
+
+
+def chunk_problem(
+    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int
+) -> str | None:
+    """Why a stored ``chunk`` cannot be loaded into this engine, or None.
+
+    The codec already refused damaged bytes and foreign formats; this checks that a valid
+    chunk fits: layers, heads, head size, dtype, chunk length and kept count.
+    """
+    expected = (
+        facts.num_layers,
+        facts.num_kv_heads,
+        facts.head_dim,
+        facts.head_dim,
+        facts.dtype,
+        chunk_size,
+        kept,
+    )
+    got = (
+        chunk.num_layers,
+        chunk.num_kv_heads,
+        chunk.keys.shape[1],
+        chunk.values.shape[1],
+        chunk.dtype,
+        chunk.num_tokens,
+        chunk.uniform_count(),
+    )
+    if got != expected:
+        return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"
+    pos = chunk.positions
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= chunk.num_tokens):
+        return "holding positions outside the chunk"
+    return None
+
+
+def full_nbytes(chunk: CompactedChunk, head_dim: int) -> int:
+    """Bytes of K and V the chunk would hold uncompacted (every token of every head)."""
+    rows = chunk.num_layers * chunk.num_kv_heads * chunk.num_tokens
+    return rows * 2 * head_dim * chunk.keys.element_size()

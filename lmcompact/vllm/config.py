@@ -1,0 +1,328 @@
+"""Connector options: parsed from ``kv_connector_extra_config`` and validated at start-up.
+
+Example ``--kv-transfer-config``::
+
+    {"kv_connector": "LMCompactConnector",
+     "kv_connector_module_path": "lmcompact.vllm.connector",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {
+         "policy": "snapkv", "budget": 0.5,
+         "store": {"chunk_size": 256, "tiers": ["cpu", "redis"], "cpu_capacity_mb": 2048,
+                   "redis_url": "redis://127.0.0.1:6379/0"},
+         "release": {"prefill": "pack", "decode_budget_tokens": 512}}}
+
+Three groups: the policy (top level: ``policy``, ``budget``, ``policy_params``, ``window``,
+``cuda_graphs``), ``store`` (:class:`StoreOptions`: compacted prefixes saved to and loaded
+from the tiers; ``"store": false`` turns it off) and ``release`` (:class:`ReleaseOptions`:
+prompts packed in place and their dropped blocks given back to vLLM; off unless given). Any
+combination works. Old spellings still accepted: the store options at the top level, and
+``"memory"`` for ``"release"`` (one deprecation line in the log).
+
+Engine-dependent checks (chunk size versus block size, budget geometry, policy shape) run in
+:func:`lmcompact.vllm.engine_checks.validate_against_engine` once the engine is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmcompact.policies import Budget, CompactionPolicy, Need, make_policy
+from lmcompact.store import StoreConfig
+from lmcompact.vllm.memory.config import MEMORY_KEY, RELEASE_KEY, ReleaseOptions
+from lmcompact.vllm.memory.planner import PrefillMode
+from lmcompact.vllm.options import (
+    boolean,
+    choice,
+    integer,
+    mapping,
+    names,
+    number,
+    option,
+    parse,
+    text,
+)
+
+logger = logging.getLogger(__name__)
+
+EXTRA = "kv_connector_extra_config"
+STORE_KEY = "store"
+TIERS = ("cpu", "redis")
+CUDA_GRAPHS = ("piecewise", "full")
+"""Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
+
+COMPACT_ON = ("save", "load")
+PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
+"""Inputs the in-place pack (:func:`lmcompact.vllm.memory.packing.plan_pack`) does not compute."""
+
+BUDGET_TOLERANCE = 0.1
+"""A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
+
+
+def kept_blocks(budget: float, blocks: int) -> int:
+    """Whole blocks kept of ``blocks`` at kept fraction ``budget``: the nearest, >= 1."""
+    return min(blocks, max(1, round(budget * blocks)))
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The ``"store"`` group: compacted prefixes saved to and loaded from the tiers.
+
+    Attributes:
+        chunk_size: tokens per stored chunk; a multiple of the engine's block size.
+        tiers: store tiers, fastest first, from ``("cpu", "redis")`` (a comma list works).
+        cpu_capacity_mb: CPU tier size in MiB.
+        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
+        redis_ttl_s: lifetime of Redis entries; None keeps them until Redis evicts.
+        save: store compacted prefixes of finished prefills.
+        load: serve stored prefixes to new requests.
+        async_save: compact and store on a background thread (the forward pass only waits
+            for a page copy); False does it inline (deterministic, slower).
+        model_id: name that enters the store namespace; None uses the engine's model path.
+        compact_on: when the policy runs on a stored prefix. ``"save"``: chunks are compacted
+            when they are saved (the observation window is the end of the saving prompt) and
+            stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
+            ``none``, never mixed with compacted entries) and the loading request's own
+            prefill packs them in place with the policy, its window being that request's
+            tail (its question); needs the ``"release"`` group with a compacting
+            ``prefill`` mode.
+    """
+
+    chunk_size: int = option(
+        256, integer(1, allowed="a positive int (a multiple of the block size)")
+    )
+    tiers: tuple[str, ...] = option(("cpu",), names(TIERS))
+    cpu_capacity_mb: int = option(1024, integer(1))
+    redis_url: str | None = option(None, text(nullable=True, allowed="a redis:// URL"))
+    redis_ttl_s: float | None = option(None, number(above=0, nullable=True, allowed="seconds > 0"))
+    save: bool = option(True, boolean())
+    load: bool = option(True, boolean())
+    async_save: bool = option(True, boolean())
+    model_id: str | None = option(None, text(nullable=True))
+    compact_on: str = option("save", choice(COMPACT_ON))
+
+    def __post_init__(self) -> None:
+        if ("redis" in self.tiers) != (self.redis_url is not None):
+            raise ValueError(
+                f"redis_url must be set exactly when 'redis' is a tier; "
+                f"tiers={list(self.tiers)}, redis_url={self.redis_url!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the store path runs at all (saves or loads)."""
+        return self.save or self.load
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            cpu_capacity_bytes=self.cpu_capacity_mb << 20 if "cpu" in self.tiers else None,
+            redis_url=self.redis_url if "redis" in self.tiers else None,
+            redis_ttl_s=self.redis_ttl_s,
+        )
+
+
+STORE_OPTIONS = frozenset(f.name for f in dataclasses.fields(StoreOptions))
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector options: the policy, and the ``store`` and ``release`` groups.
+
+    Attributes:
+        policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
+            the full KV and is exact.
+        policy_params: the policy's hyper-parameters besides the budget.
+        budget: kept fraction, in (0, 1]; kept as whole KV blocks, so the engine refuses a
+            budget a stored chunk's block count cannot honour within 10% (the error names
+            the possible values).
+        window: observation-window queries (the prompt's last ``window`` tokens) captured for
+            score-based policies (and Expected Attention's query statistics); ``kvzip``
+            also captures its own sample of queries across the prompt.
+        cuda_graphs: how compacted requests run under CUDA graphs. ``"piecewise"`` (the
+            default): the connector asks vLLM for piecewise graphs and cuts holes out of
+            the attention metadata inside each attention call (checked on the H200).
+            ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
+            the runner's input buffers (vLLM 0.26's V2 GPU runner; experimental: not yet
+            checked on a GPU, see docs/benchmarks/serve-h200.md).
+        store: the ``"store"`` group (:class:`StoreOptions`).
+        release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
+    """
+
+    policy: str = option("none", text(allowed="a policy name"))
+    policy_params: Mapping[str, Any] = option(None, mapping(), factory=dict)
+    budget: float = option(0.5, number(above=0, at_most=1, allowed="a kept fraction in (0, 1]"))
+    window: int = option(32, integer(0))
+    cuda_graphs: str = option("piecewise", choice(CUDA_GRAPHS))
+    store: StoreOptions = dataclasses.field(default_factory=StoreOptions)
+    release: ReleaseOptions | None = None
+
+    @classmethod
+    def from_extra(
+        cls, extra: Mapping[str, Any] | None, *, release: bool = False
+    ) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; ValueError names the bad key or value.
+
+        Args:
+            extra: the user's options (groups, or the old flat spelling).
+            release: whether the release group is on when the options do not say
+                (``LMCompactMemoryConnector``, the old name, turns it on).
+        """
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"{EXTRA} must be an object, got {extra!r}")
+        top = dict(extra or {})
+        store = _store_group(top)
+        group = _release_group(top, release)
+        config = parse(cls, top, EXTRA, store=store, release=group)
+        return config
+
+    def __post_init__(self) -> None:
+        """Checks that relate the policy and the groups (none needs the engine)."""
+        policy = self.make_policy()  # unknown policy or bad parameters raise here
+        load_packs = self.compacts and self.store.compact_on == "load"
+        if self.release is None:
+            if load_packs:
+                raise ValueError(
+                    "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                    "request's prefill, but the connector packs prompts in place only with a "
+                    '"release" group; add "release": {"prefill": "auto"}'
+                )
+            return
+        mode = self.release_mode
+        g = self.release.group
+        if load_packs and mode is PrefillMode.OFF:
+            raise ValueError(
+                "compact_on 'load' stores prefixes whole and compacts them in the loading "
+                f"request's prefill: {g}.prefill must be 'pack', 'blocks' or 'auto', got 'off'"
+            )
+        unpackable = policy.needs & PACK_UNSUPPORTED
+        if self.compacts and mode is PrefillMode.PACK and unpackable:
+            raise ValueError(
+                f"policy {self.policy!r} needs {unpackable}, which the in-place pack does not "
+                "compute (it scores with keys and the window's attention, the question being "
+                "inside the observation window); use it on the store path (compact_on 'save', "
+                f"{g}.prefill 'off') or pack with snapkv, knorm, tova, streaming_llm"
+            )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def release_mode(self) -> PrefillMode:
+        """What the release group does when a prefill ends (OFF without the group)."""
+        if self.release is None:
+            return PrefillMode.OFF
+        return self.release.prefill_mode(self.policy, self.compacts)
+
+    @property
+    def per_head_counts(self) -> bool:
+        """Whether (layer, head) counts may differ (``release.per_head``: padding masked)."""
+        return self.release is not None and self.release.per_head is not None
+
+    @property
+    def needs_piecewise(self) -> bool:
+        """Whether vLLM must run piecewise CUDA graphs (see ``cuda_graphs``)."""
+        return self.cuda_graphs != "full" or (
+            self.release is not None and self.release.needs_piecewise
+        )
+
+    @property
+    def compacts(self) -> bool:
+        """True when the policy drops tokens (stored chunks, or packed prompts)."""
+        return self.policy != "none" and float(self.budget) < 1.0
+
+    @property
+    def store_compacts(self) -> bool:
+        """True when the store holds compacted chunks (``compact_on`` ``"save"``)."""
+        return self.compacts and self.store.compact_on == "save"
+
+    def make_policy(self) -> CompactionPolicy:
+        params = dict(self.policy_params)
+        if "budget" in params:
+            raise ValueError("give the budget as the top-level 'budget' option, not a policy_param")
+        if self.policy != "none":
+            params["budget"] = Budget(ratio=float(self.budget))
+        return make_policy(self.policy, **params)
+
+    def store_policy(self) -> CompactionPolicy:
+        """The policy applied when chunks are saved: ``none`` unless they are stored
+        compacted."""
+        return self.make_policy() if self.store_compacts else make_policy("none")
+
+    @property
+    def store_policy_name(self) -> str:
+        return self.policy if self.store_compacts else "none"
+
+    def namespace_params(self) -> dict[str, Any]:
+        """Policy identity that enters the store namespace (plain JSON data); whole chunks
+        (policy ``none``, or ``compact_on`` ``"load"``) share one namespace."""
+        if not self.store_compacts:
+            return {"budget": 1.0}
+        params = dict(self.policy_params)
+        params["budget"] = float(self.budget)
+        return params
+
+    def kept_per_chunk(self, block_size: int) -> int:
+        """Tokens each (layer, head) keeps of one stored chunk: the budget in whole blocks
+        (>= 1); the whole chunk when chunks are stored uncompacted.
+
+        :func:`lmcompact.vllm.engine_checks.validate_against_engine` refuses a budget this
+        rounding would change by more than :data:`BUDGET_TOLERANCE` (when the store path is
+        on).
+        """
+        chunk = self.store.chunk_size
+        if not self.store_compacts:
+            return chunk
+        return kept_blocks(float(self.budget), chunk // block_size) * block_size
+
+
+def _store_group(top: dict[str, Any]) -> StoreOptions:
+    """Pop the store options from ``top``: the ``"store"`` group, or (old spelling) the
+    store keys at the top level; ``"store": false`` keeps the store path off."""
+    flat = {key: top.pop(key) for key in sorted(STORE_OPTIONS & set(top))}
+    if STORE_KEY not in top:
+        return parse(StoreOptions, flat, STORE_KEY)
+    group = top.pop(STORE_KEY)
+    if flat:
+        raise ValueError(
+            f'{sorted(flat)} given both at the top level and with a "store" group: give the '
+            'store options inside "store" only'
+        )
+    if group is False:
+        return StoreOptions(save=False, load=False)
+    if group is True or group is None:
+        return StoreOptions()
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{EXTRA}.store must be an object, true or false, got {group!r}")
+    return parse(StoreOptions, group, STORE_KEY, prefix="store.")
+
+
+def _release_group(top: dict[str, Any], default: bool) -> ReleaseOptions | None:
+    """Pop the ``"release"`` group (or the old ``"memory"``) from ``top``; None when off."""
+    if RELEASE_KEY in top and MEMORY_KEY in top:
+        raise ValueError(f'give "{RELEASE_KEY}" only ("{MEMORY_KEY}" is its old name), not both')
+    key = MEMORY_KEY if MEMORY_KEY in top else RELEASE_KEY
+    if key not in top:
+        return ReleaseOptions() if default else None
+    if key == MEMORY_KEY:
+        _log_deprecated(MEMORY_KEY, RELEASE_KEY)
+    group = top.pop(key)
+    if group is False or (group is None and not default):
+        return None
+    if group is True or group is None:
+        return ReleaseOptions(group=key)
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{EXTRA}.{key} must be an object, true or false, got {group!r}")
+    return parse(ReleaseOptions, group, key, prefix=f"{key}.", group=key)
+
+
+@functools.cache
+def _log_deprecated(old: str, new: str) -> None:
+    """One deprecation line per process and spelling."""
+    logger.warning(
+        '%s "%s" is the old name of the "%s" option group; it still works for this release',
+        EXTRA,
+        old,
+        new,
+    )

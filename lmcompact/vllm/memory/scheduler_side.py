@@ -1,0 +1,488 @@
+"""Scheduler half of memory saving: opens holes, returns their blocks, plans packs.
+
+Hooks into vLLM's ``KVCacheManager`` (given to connectors by ``bind_kv_cache_manager``)
+by wrapping three methods of that one instance:
+
+* ``allocate_slots(request, ...)``: before vLLM sizes a scheduled request's new blocks,
+  return the blocks of its visible hole and grow the hole for the decode budget, so the
+  freed blocks already count for this step's admissions (like vLLM's own
+  ``remove_skipped_blocks``, which runs at the same point);
+* ``free(request)`` and ``pop_blocks_for_free(request)``: vLLM is taking all the request's
+  blocks back (finish, abort, preemption): forget its hole. vLLM's own free then returns
+  the blocks still held; the null entries of the hole are skipped by ``free_blocks``.
+
+Timeline of one compacted prompt (step = one ``schedule()`` + forward)::
+
+    step t     schedule: prompt completes -> Pack(req) in metadata, hole planned
+               worker:   forward (full prompt) -> pack kept tokens into blocks [0, kb)
+    step t+1   schedule: hole visible -> its blocks go back to the pool (null in the row)
+               worker:   attention skips the hole (virtual block table)
+
+A block released in schedule ``t+1`` can be handed to another request in that schedule
+and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
+so the pack in ``t`` has read it before anyone writes it.
+
+Admission without thrash (``reserve_growth``): vLLM admits a waiting request when its
+next chunk fits in the free blocks; blocks freed by holes make room for more requests than
+the pool can carry once their generations grow, and vLLM then preempts (and recomputes,
+and re-packs) running requests. The wrapped ``allocate_slots`` therefore refuses a request
+that holds no block yet (an admission; vLLM keeps it waiting) unless::
+
+    free_blocks - need(new) >= sum over running r of pending(r)
+
+    need(new)  = max(cdiv(P, bs), cdiv(P + M, bs) - hole(P))    its peak holding
+    pending(r) = max(prompt blocks r still has to allocate,
+                     cdiv(P + M, bs) - len(row(r)) - hole still to come back)
+
+with P the prompt, M ``max_tokens`` and ``hole(P)`` the blocks a prompt of P tokens gives
+back at prefill end (0 when it is not compacted). A request admitted under this rule always
+finds its growth in the pool, so only requests that vLLM would have preempted anyway (none
+here when nothing else allocates) are. When no request is running, nothing is refused.
+
+H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
+tokens are still needed; the :class:`lmcompact.vllm.memory.heavy_hitters.MergeJob` (with the
+block's physical id, taken before the release) goes into step ``t``'s metadata and the
+worker merges it when binding that metadata, before step ``t``'s loads and forward pass,
+the first things that may write the block again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import wraps
+from typing import Any
+
+from lmcompact.vllm import vllm_shim as shim
+from lmcompact.vllm.compaction import SCORE_NEEDS
+from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
+from lmcompact.vllm.memory.heavy_hitters import MergeJob
+from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.metadata import CaptureSpec, StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackJob:
+    """Worker job: pack kept tokens of ``[start, start + num_tokens)`` into slots
+    ``[start, start + kept)``.
+
+    Attributes:
+        req_id: request id.
+        block_ids: the request's block row.
+        num_tokens: tokens compacted (whole blocks).
+        kept: tokens each (layer, head) keeps (whole blocks); the mean with per-head counts.
+        reserved: slots each head holds, the hole's start (``kept`` unless per-head).
+        start: first token of the span; the blocks before it are shared through vLLM's
+            prefix cache and stay untouched (0 without prefix caching).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    kept: int
+    reserved: int
+    start: int = 0
+
+
+@dataclass
+class MemoryStats:
+    """Counters of the release path (read by tests and the capacity benchmark)."""
+
+    packs: int = 0
+    blocks_released: int = 0
+    blocks_kept_shared: int = 0
+    holes_adopted: int = 0
+    repacks: int = 0
+    preemptions: int = 0
+    admissions_deferred: int = 0
+    protected_blocks: int = 0  # prompt blocks packs left untouched (prefix caching)
+    peak_held: dict[str, int] = field(default_factory=dict)
+
+
+class MemoryScheduler:
+    """Scheduler-side memory saving for one engine.
+
+    Args:
+        planner: hole bookkeeping.
+        block_size: tokens per block.
+        window: observation-window queries to capture for score-based policies.
+        capture: add window captures for packs (False when the base connector's save path
+            already captures the same window).
+        needs_scores: the policy reads window scores.
+    """
+
+    def __init__(
+        self,
+        planner: HolePlanner,
+        block_size: int,
+        window: int,
+        capture: bool,
+        needs_scores: bool,
+        reserve_growth: bool = True,
+    ) -> None:
+        self.planner = planner
+        self.block_size = block_size
+        self.window = window
+        self.capture = capture and needs_scores and window > 0
+        self.ledger: BlockLedger | None = None
+        self.step = 0
+        self.live: dict[str, Any] = {}
+        self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
+        self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
+        self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
+        self.reserve_growth = reserve_growth
+        self.packed: set[str] = set()  # requests packed at least once (re-pack counting)
+        # per request: hole blocks below this logical index were already released, and how
+        # many blocks went back (each step then touches only what is new, not whole rows)
+        self._released_to: dict[str, int] = {}
+        self._freed: dict[str, int] = {}
+        self.stats = MemoryStats()
+        self.held_back: Callable[[str], bool] = lambda req_id: False
+        # with vLLM's prefix caching: the guard keeping compacted blocks unhashed, and per
+        # request the leading blocks vLLM's cache served it (never rewritten by a pack)
+        self.guard: PrefixCacheGuard | None = None
+        self._hit_blocks: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, kv_cache_manager: Any) -> None:
+        """Start managing ``kv_cache_manager`` (wraps three of its methods, once)."""
+        if getattr(kv_cache_manager, "_lmcompact_memory", None) is not None:
+            raise ValueError("this KVCacheManager already has a memory manager bound")
+        self.ledger = BlockLedger(kv_cache_manager)
+        kv_cache_manager._lmcompact_memory = self
+        allocate = kv_cache_manager.allocate_slots
+        free = kv_cache_manager.free
+        pop = getattr(kv_cache_manager, "pop_blocks_for_free", None)  # 0.32 deferred frees
+
+        @wraps(allocate)
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.admits(request):
+                return None  # vLLM keeps the request waiting, as when the pool is full
+            self.before_allocate(request)
+            return allocate(request, *args, **kwargs)
+
+        @wraps(free)
+        def free_request(request: Any) -> None:
+            self.forget(request.request_id)
+            free(request)
+
+        kv_cache_manager.allocate_slots = allocate_slots
+        kv_cache_manager.free = free_request
+        if pop is not None:
+
+            @wraps(pop)
+            def pop_blocks_for_free(request: Any) -> Any:
+                self.forget(request.request_id)
+                return pop(request)
+
+            kv_cache_manager.pop_blocks_for_free = pop_blocks_for_free
+
+    def _ledger(self) -> BlockLedger:
+        if self.ledger is None:
+            # without the manager no block can be released: refuse instead of saving nothing
+            raise RuntimeError(
+                "the release group was never bound to vLLM's KVCacheManager (neither "
+                "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
+            )
+        return self.ledger
+
+    # ------------------------------------------------------------------ admission
+    def _hole_blocks(self, prompt_len: int) -> int:
+        """Blocks a fresh prompt of ``prompt_len`` tokens gives back at prefill end."""
+        nb = prompt_len // self.block_size
+        if self.planner.prefill_mode.value == "off" or nb < self.planner.min_prompt_blocks:
+            return 0
+        kb = self.planner.kept_blocks(nb)
+        if kb >= nb:
+            return 0
+        if self.planner.prefill_mode.value == "pack":
+            return nb - self.planner.reserved_blocks(kb, nb)
+        return nb - kb
+
+    def _final_blocks(self, request: Any) -> int | None:
+        """Logical blocks the request will have once it generated ``max_tokens``."""
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None:
+            return None
+        total = int(request.num_prompt_tokens) + int(max_tokens)
+        return -(-total // self.block_size)
+
+    def pending_blocks(self, request: Any) -> int:
+        """Blocks a running request may still take from the pool (see module doc)."""
+        final = self._final_blocks(request)
+        row = self._ledger().blocks(request.request_id)
+        if final is None:
+            return 0
+        prompt_len = int(request.num_prompt_tokens)
+        remaining = final - len(row)
+        if request.request_id in self.planner.holes:  # packed or hole planned: it came back
+            return max(0, remaining)
+        prompt_rest = -(-prompt_len // self.block_size) - len(row)
+        return max(0, prompt_rest, remaining - self._hole_blocks(prompt_len))
+
+    def admits(self, request: Any) -> bool:
+        """Whether a request may get blocks now (always, unless it is a new admission that
+        would eat the growth reserved for running requests)."""
+        if not self.reserve_growth or self.ledger is None:
+            return True
+        ledger = self.ledger
+        if ledger.blocks(request.request_id):
+            return True  # already running: its growth was reserved
+        running = [r for rid, r in self.live.items() if rid != request.request_id]
+        if not running:
+            return True
+        final = self._final_blocks(request)
+        prompt_len = int(request.num_prompt_tokens)
+        full = -(-prompt_len // self.block_size)
+        need = full if final is None else max(full, final - self._hole_blocks(prompt_len))
+        reserve = sum(self.pending_blocks(r) for r in running)
+        if ledger.num_free() - need >= reserve:
+            return True
+        self.stats.admissions_deferred += 1
+        return False
+
+    # ------------------------------------------------------------------ hooks
+    def before_allocate(self, request: Any) -> None:
+        """A request is about to get blocks this step: release and grow its hole."""
+        req_id = request.request_id
+        ledger = self._ledger()
+        self.live[req_id] = request
+        row = ledger.blocks(req_id)
+        if not row:
+            return
+        processed = int(request.num_computed_tokens) - int(
+            getattr(request, "num_in_flight_tokens", 0) or 0
+        )
+        before = self.planner.holes.get(req_id)
+        old_stop = None if before is None else before.stop
+        if processed >= int(request.num_prompt_tokens):
+            self._claim_for_h2o(req_id, row)
+        grown = self.planner.grow_for_decode(
+            req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
+        )
+        hole = self.planner.holes.get(req_id)
+        if grown and self.guard is not None:
+            # from now on its tokens attend past a hole: not the full prefix's KV
+            self.guard.freeze(req_id, processed // self.block_size)
+        if grown and hole is not None and self.planner.decode_recent_blocks is not None:
+            # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
+            first = hole.start if old_stop is None else old_stop
+            if hole.start > self.planner.sink_blocks and self._h2o_owned(req_id):
+                ids = [block.block_id for block in row]  # the merged blocks, before release
+                self.merges.append(
+                    MergeJob(
+                        req_id,
+                        tuple(ids[: hole.start]),
+                        tuple(ids[first : hole.stop]),
+                        self.planner.sink_blocks * self.block_size,
+                    )
+                )
+        self._release(req_id)
+
+    def _h2o_owned(self, req_id: str) -> bool:
+        """H2O scores and merges for this request: always without prefix caching; with it,
+        only once the request owns all its blocks, unhashed (:meth:`_claim_for_h2o`): merges
+        rewrite its kept region, and its scored rows are found by block 0."""
+        if self.planner.decode_recent_blocks is None:
+            return False
+        return self.guard is None or self.guard.frontier(req_id) == 0
+
+    def _claim_for_h2o(self, req_id: str, row: list[Any]) -> None:
+        """Prefix caching, H2O decode: when the request decodes and its first block is its
+        own (no other request shares any of its blocks: sharing is by prefix), take every
+        block out of the cache, so none can be shared later. A request that shares its
+        first block decodes as with ``"recent"`` (no scores, no merges) until it owns it."""
+        if self.guard is None or self.planner.decode_recent_blocks is None:
+            return
+        if self.guard.frontier(req_id) == 0 or not row or row[0].ref_cnt != 1:
+            return
+        self.guard.freeze(req_id, 0)
+
+    def forget(self, req_id: str) -> None:
+        self.planner.forget(req_id)
+        self.live.pop(req_id, None)
+        self._hit_blocks.pop(req_id, None)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
+        self.merges = [job for job in self.merges if job.req_id != req_id]
+        self.forgotten.add(req_id)
+
+    def cancel_hole(self, req_id: str) -> None:
+        """A store load was refused by the worker: vLLM recomputes the request into the
+        blocks it still holds, so its adopted hole is dropped, not released."""
+        self.planner.forget(req_id)
+        self._released_to.pop(req_id, None)
+        self._freed.pop(req_id, None)
+
+    def take_merges(self) -> list[MergeJob]:
+        """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
+        requests whose blocks vLLM took back in the meantime)."""
+        merges, self.merges = self.merges, []
+        return merges
+
+    def take_forgotten(self) -> set[str]:
+        """Requests whose blocks vLLM took back since the last call (the worker drops their
+        per-head counts before the next forward pass)."""
+        taken, self.forgotten = self.forgotten, set()
+        return taken
+
+    def _release(self, req_id: str) -> None:
+        hole = self.planner.visible(req_id, self.step)
+        if hole is None or self.held_back(req_id):
+            return  # no hole yet, or a store load the worker has not confirmed
+        ledger = self._ledger()
+        row = ledger.blocks(req_id)
+        if not row or row[0].block_id != hole.first_block:
+            raise RuntimeError(
+                f"request {req_id!r}: block 0 is {row[0].block_id if row else None}, its hole "
+                f"was planned on block {hole.first_block}; a preemption was not seen"
+            )
+        lo = max(hole.start, self._released_to.get(req_id, hole.start))
+        hi = min(hole.stop, len(row))
+        if lo >= hi:
+            return
+        released = ledger.release(req_id, lo, hi)
+        self._released_to[req_id] = hi
+        self._freed[req_id] = self._freed.get(req_id, 0) + len(released.freed)
+        self.stats.blocks_released += len(released.freed)
+        self.stats.blocks_kept_shared += len(released.kept)
+
+    # ------------------------------------------------------------------ per step
+    def plan_step(self, scheduler_output: Any, meta: StepMetadata) -> list[PackJob]:
+        """Add this step's holes and captures to ``meta``; return the packs to run.
+
+        Called from ``build_connector_meta``, after the base connector filled ``meta``.
+        """
+        ledger = self._ledger()
+        packs: list[PackJob] = []
+        step = self.step
+        self.scored = {}
+        self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
+        self.packed -= shim.finished_req_ids(scheduler_output)
+        load_starts = {load.req_id: load.start for load in meta.loads}
+        seq_lens: dict[str, int] = {}
+        for sched in shim.scheduled_requests(scheduler_output):
+            seq_lens[sched.req_id] = sched.num_computed + sched.num_scheduled
+            request = self.live.get(sched.req_id)
+            blocks = ledger.blocks(sched.req_id)
+            if request is None or not blocks:
+                continue
+            if sched.replace:  # new or resumed: what vLLM's own cache served it
+                hit = load_starts.get(sched.req_id, sched.num_computed)
+                self._hit_blocks[sched.req_id] = hit // self.block_size
+            first = int(blocks[0].block_id)
+            prompt_len = int(request.num_prompt_tokens)
+            foreign = _hole_of_row(meta, blocks)
+            if foreign is not None and sched.req_id not in self.planner.holes:
+                self.planner.adopt(
+                    sched.req_id,
+                    first,
+                    foreign.start_block,
+                    foreign.num_blocks,
+                    step,
+                    foreign.window_lead,
+                )
+                self.stats.holes_adopted += 1
+            lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
+            if lo >= prompt_len and self._h2o_owned(sched.req_id):
+                self.scored[first] = sched.req_id  # H2O: accumulate its decode attention
+            if self.capture:
+                self._plan_capture(sched.req_id, blocks, prompt_len, lo, hi, meta)
+            if lo < prompt_len <= hi:
+                protected = self._protected_blocks(sched.req_id, blocks, prompt_len)
+                pack = self.planner.prefill_end(sched.req_id, prompt_len, first, step, protected)
+                if self.guard is not None and sched.req_id in self.planner.holes:
+                    # packed blocks are rewritten; blocks mode rewrites none, but every
+                    # token after the prompt attends past its hole
+                    frontier = prompt_len // self.block_size if pack is None else protected
+                    self.guard.freeze(sched.req_id, frontier)
+                if pack is not None:
+                    self.stats.protected_blocks += protected
+                    row = [block.block_id for block in blocks]
+                    packs.append(
+                        PackJob(
+                            sched.req_id,
+                            row,
+                            pack.num_tokens,
+                            pack.kept,
+                            pack.reserved,
+                            pack.start,
+                        )
+                    )
+                    self.stats.packs += 1
+                    if sched.req_id in self.packed:
+                        self.stats.repacks += 1  # recomputed after a preemption
+                    self.packed.add(sched.req_id)
+        for req_id in list(self.planner.holes):
+            if req_id not in self.live:
+                continue
+            self._release(req_id)
+            hole = self.planner.visible(req_id, step)
+            if hole is not None:
+                emitted: Hole | None = Hole(
+                    hole.first_block, hole.start, hole.length, hole.window_lead, req_id
+                )
+                if self.guard is not None and self.guard.frontier(req_id) != 0:
+                    # block 0 may be shared with another live request: key by the last
+                    # block, for requests in this step's batch (the others have no row)
+                    if req_id not in seq_lens:
+                        emitted = None
+                    else:
+                        emitted = keyed_by_last_block(
+                            Hole(
+                                hole.first_block, hole.start, hole.length, hole.window_lead, req_id
+                            ),
+                            ledger.block_ids(req_id),
+                            seq_lens[req_id],
+                            self.block_size,
+                        )
+                if emitted is not None:
+                    meta.holes[emitted.first_block] = emitted
+            held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
+            if held > self.stats.peak_held.get(req_id, 0):
+                self.stats.peak_held[req_id] = held
+        self.step += 1
+        return packs
+
+    def _protected_blocks(self, req_id: str, row: list[Any], prompt_len: int) -> int:
+        """Leading prompt blocks a pack must leave alone (0 without prefix caching): those
+        vLLM's cache served this request (other requests may hit them again) and, up to
+        the last one, those another request holds too (it reads them through a hit)."""
+        if self.guard is None:
+            return 0
+        full = prompt_len // self.block_size
+        protected = min(self._hit_blocks.get(req_id, 0), full)
+        for index in range(full - 1, protected - 1, -1):
+            if row[index].ref_cnt > 1:
+                return index + 1
+        return protected
+
+    def _plan_capture(
+        self, req_id: str, row: list[Any], prompt_len: int, lo: int, hi: int, meta: StepMetadata
+    ) -> None:
+        bs = self.block_size
+        window_lo = max(prompt_len - self.window, lo)
+        window_hi = min(hi, prompt_len)
+        if window_lo >= window_hi:
+            return
+        positions = list(range(window_lo, window_hi))
+        slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
+        meta.captures.append(CaptureSpec(req_id, slots, positions))
+
+
+def _hole_of_row(meta: StepMetadata, row: list[Any]) -> Hole | None:
+    """The hole another component put into ``meta`` for the request whose blocks are
+    ``row`` (matched by its key column), or None."""
+    for key, hole in meta.holes.items():
+        column = hole.key_column
+        if column < len(row) and not row[column].is_null and row[column].block_id == key:
+            return hole
+    return None
+
+
+def needs_scores(policy: Any) -> bool:
+    return bool(policy.needs & SCORE_NEEDS)
