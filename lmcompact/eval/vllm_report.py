@@ -1,4 +1,9 @@
-"""Summaries, a table and plots of ``lmcompact eval --engine vllm`` rows."""
+"""Summaries, a table and plots of ``lmcompact eval --engine vllm`` rows.
+
+kvpress rows (``engine: "kvpress"``, from ``--compare kvpress`` or ``--engine kvpress``)
+are summarized beside ours: their policy reads ``snapkv [kvpress]``, their full cache
+``full cache [kvpress]``, and :mod:`lmcompact.eval.kvpress_compare` adds the side-by-side
+table on the questions both answered."""
 
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         scored = [m for m in members if "accuracy" in m]
         summary["n"] = len(scored)
         summary["accuracy"] = statistics.fmean(m["accuracy"] for m in scored) if scored else None
-        summary["cell_s"] = members[0].get("cell_s")
+        if key[0] == "kvpress":  # no engine cell: the sum of its questions' times
+            summary["cell_s"] = sum(m.get("seconds", 0.0) for m in scored) if scored else None
+        else:
+            summary["cell_s"] = members[0].get("cell_s")
         summary["seconds"] = statistics.fmean(m["seconds"] for m in scored) if scored else None
         summary["store_ok"] = all(_honest(m) for m in scored) if scored else None
         if errors:
@@ -47,6 +55,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def _honest(row: dict[str, Any]) -> bool:
     """The question's request did what its mode says: hits as expected, and compacted."""
     mode = row["compact_on"]
+    if row.get("engine", "vllm") != "vllm":
+        return True  # kvpress rows: no store, nothing to check
     if row.get("hit_chunks", 0) != row.get("expected_hit_chunks", 0):
         return False
     if mode in ("load", "inplace"):
@@ -56,8 +66,21 @@ def _honest(row: dict[str, Any]) -> bool:
     return True
 
 
-def markdown(summary: Sequence[dict[str, Any]]) -> str:
-    """One table per (model, task, context): rows (mode, policy), columns budgets."""
+def _label(row: dict[str, Any]) -> str:
+    """The policy as the tables and plots show it: kvpress's rows say so."""
+    engine = row.get("engine", "vllm")
+    return row["policy"] if engine == "vllm" else f"{row['policy']} [{engine}]"
+
+
+def markdown(
+    summary: Sequence[dict[str, Any]], samples: Sequence[dict[str, Any]] | None = None
+) -> str:
+    """One table per (model, task, context): rows (mode, policy), columns budgets; with
+    the raw rows (``samples``) and kvpress among them, the side-by-side tables of
+    :func:`lmcompact.eval.kvpress_compare.side_by_side` follow."""
+    from lmcompact.eval import kvpress_compare
+
+    summary = [{**r, "policy": _label(r)} for r in summary]
     sections = []
     blocks = sorted({(r["model"], r["task"], r["context"]) for r in summary if r["task"]})
     for model, task, context in blocks:
@@ -71,10 +94,11 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
         for r in rows:
             if r["compact_on"] == "none":
                 acc = fmt(r["accuracy"])
+                name = "full cache" + ("" if r.get("engine", "vllm") == "vllm" else " [kvpress]")
                 lines.append(
-                    "| full cache | none | "
-                    + " | ".join(acc for _ in budgets)
-                    + f" | {r['n']} | {fmt(r['cell_s'])} |"
+                    f"| {name} | none | "
+                    + "".join(f"{acc} | " for _ in budgets)
+                    + f"{r['n']} | {fmt(r['cell_s'])} |"
                 )
         pairs = sorted(
             {(r["compact_on"], r["policy"]) for r in rows if r["compact_on"] != "none"},
@@ -110,6 +134,9 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
                 f"- {r['model']} {r['compact_on']} {r['policy']} {r['budget']:g}: {r['error']}"
             )
         sections.append("\n".join(lines))
+    compared = kvpress_compare.markdown(kvpress_compare.side_by_side(samples or []))
+    if compared:
+        sections.append(compared)
     note = (
         "(!) = a question's request missed the store or was not compacted; cell s = wall "
         "time of the engine cell (every task of that context length, engine start included)"
@@ -128,6 +155,7 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    summary = [{**r, "policy": _label(r)} for r in summary]
     for task in sorted({r["task"] for r in summary if r["task"]}):
         rows = [r for r in summary if r["task"] == task and not r.get("error")]
         panels = sorted({(r["model"], r["context"]) for r in rows})
@@ -153,7 +181,13 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
             for j, mode in enumerate(modes):
                 ax = axes[i][j]
                 for r in full:
-                    ax.axhline(r["accuracy"], color="black", linestyle=":", label="full cache")
+                    ax.axhline(
+                        r["accuracy"],
+                        color="black" if r.get("engine", "vllm") == "vllm" else "grey",
+                        linestyle=":",
+                        label="full cache"
+                        + ("" if r.get("engine", "vllm") == "vllm" else " [kvpress]"),
+                    )
                 for policy in sorted({r["policy"] for r in here if r["compact_on"] == mode}):
                     line = sorted(
                         (r for r in here if (r["compact_on"], r["policy"]) == (mode, policy)),
@@ -164,6 +198,7 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
                         [r["accuracy"] for r in line],
                         marker="o",
                         color=color[policy],
+                        linestyle="--" if policy.endswith("[kvpress]") else "-",
                         label=policy,
                     )
                 ax.set_xscale("log")
@@ -226,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = merge([json.loads(Path(p).read_text()) for p in args.inputs])
     out = Path(args.json)
     out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    table = markdown(payload["results"])
+    table = markdown(payload["results"], payload["samples"])
     out.with_suffix(".md").write_text(table)
     plot(payload["results"], out.parent, out.stem)
     print(table)

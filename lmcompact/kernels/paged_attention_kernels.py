@@ -1,0 +1,370 @@
+"""Triton device code of the paged attention over compacted per-head KV.
+
+Three kernels; the launches, the shape checks and the split heuristics are in
+:mod:`lmcompact.kernels.paged_attention` (read its module docstring for the
+index layout: kept slots, the block-aligned hole, the tail):
+
+- :func:`attn_split_kernel`: one program per (request, kv head), ``BLOCK_M``
+  query rows (the GQA group packed with the queries) and one split of the
+  visible keys; writes the split's output and log2-sum-exp.
+- :func:`merge_splits_kernel`: merges the splits of one ``(token, q_head)`` row
+  by their log-sum-exp.
+- :func:`key_mass_kernel`: with the final log-sum-exp, the attention mass each
+  visible key received (summed over the rows, divided by the group size).
+
+Logits are in base 2 (``scale_log2 = scale * log2(e)``). :func:`launch_split_attention`
+launches the first (and the merge) from already checked arguments; :func:`merge_splits`
+is the merge launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from lmcompact.layout.paged import PagedLengths
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV: tl.constexpr):
+    kept = tl.load(kept_ptr + b * HKV + h).to(tl.int32)
+    tail = tl.load(tail_ptr + b).to(tl.int32)
+    seq = tl.load(seq_ptr + b).to(tl.int32)
+    return kept, tail, seq
+
+
+@triton.jit
+def attn_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    cu_q_ptr,
+    kept_ptr,
+    tail_ptr,
+    seq_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    split_len,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_tb,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    q_lo = tl.load(cu_q_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_lo
+    n_rows = q_len * GROUP
+    if pid_m * BLOCK_M < n_rows:
+        kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        qi = rows // GROUP
+        qhead = h * GROUP + rows % GROUP
+        q_slot = seq - q_len + qi
+        # keys past the tile's last query are invisible to every row of the tile
+        last_q = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+        c_end = kept + (seq - q_len + last_q) - tail + 1
+        if NUM_SPLITS > 0:  # the split length follows the lengths on the device (fixed grid)
+            split_len = tl.cdiv(tl.cdiv(tl.maximum(c_end, 1), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        c_lo = pid_s * split_len
+        c_hi = tl.minimum(c_lo + split_len, c_end)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q_off = (q_lo + qi).to(tl.int64) * stride_qt + qhead * stride_qh
+        q = tl.load(
+            q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        row_base = table_ptr + b.to(tl.int64) * stride_tb
+        for c0 in range(c_lo, c_hi, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            c_ok = c < c_hi
+            slot = tl.where(c < kept, c, c + (tail - kept))
+            blk = tl.load(row_base + slot // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
+            k_off = blk * stride_kb + (slot % BLOCK_SIZE) * stride_ks + h * stride_kh
+            k = tl.load(
+                k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0
+            ).to(q.dtype)  # int8 -> q's dtype is exact (|k| <= 127)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            if QUANT:  # per-token scales: keys scale the logits, values the probabilities
+                s_off = blk * stride_sb + (slot % BLOCK_SIZE) * stride_ss + h * stride_sh
+                s = s * tl.load(ks_ptr + s_off, mask=c_ok, other=0.0)[None, :]
+            seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0
+            ).to(q.dtype)
+            if QUANT:
+                p = p * tl.load(vs_ptr + s_off, mask=c_ok, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_off = pid_s * stride_os + (q_lo + qi).to(tl.int64) * stride_ot + qhead * stride_oh
+        tl.store(
+            out_ptr + o_off[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        l_off = pid_s * stride_ls + (q_lo + qi).to(tl.int64) * stride_lt + qhead
+        tl.store(lse_ptr + l_off, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    head_dim,
+    num_rows,
+    stride_ps,
+    stride_ls,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # row = token * Hq + q_head
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + s * stride_ls + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    d = tl.arange(0, BLOCK_D)
+    part = tl.load(
+        part_ptr + s[:, None] * stride_ps + row * head_dim + d[None, :],
+        mask=s_ok[:, None] & (d < head_dim)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    tl.store(lse_ptr + row, tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
+
+
+@triton.jit
+def key_mass_kernel(
+    q_ptr,
+    k_ptr,
+    table_ptr,
+    cu_q_ptr,
+    kept_ptr,
+    tail_ptr,
+    seq_ptr,
+    lse_ptr,
+    mass_ptr,
+    scale_log2,
+    head_dim,
+    num_heads_q,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_tb,
+    stride_mb,
+    stride_mh,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV)
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < kept + seq - tail
+    if pid_n * BLOCK_N < kept + seq - tail:
+        q_lo = tl.load(cu_q_ptr + b).to(tl.int32)
+        q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_lo
+        slot = tl.where(c < kept, c, c + (tail - kept))
+        blk = tl.load(
+            table_ptr + b.to(tl.int64) * stride_tb + slot // BLOCK_SIZE, mask=c_ok, other=0
+        ).to(tl.int64)
+        k_off = blk * stride_kb + (slot % BLOCK_SIZE) * stride_ks + h * stride_kh
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        k = tl.load(
+            k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0
+        )
+        mass = tl.zeros([BLOCK_N], tl.float32)
+        for r0 in range(0, q_len * GROUP, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < q_len * GROUP
+            qi = rows // GROUP
+            qhead = h * GROUP + rows % GROUP
+            q_off = (q_lo + qi).to(tl.int64) * stride_qt + qhead * stride_qh
+            q = tl.load(
+                q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+            )
+            lse = tl.load(
+                lse_ptr + (q_lo + qi).to(tl.int64) * num_heads_q + qhead,
+                mask=row_ok,
+                other=float("-inf"),
+            )
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            q_slot = seq - q_len + qi
+            seen = (
+                c_ok[None, :]
+                & row_ok[:, None]
+                & (lse > float("-inf"))[:, None]
+                & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
+            )
+            p = tl.exp2(s - tl.where(lse > float("-inf"), lse, 0.0)[:, None])
+            mass += tl.sum(tl.where(seen, p, 0.0), 0)
+        m_off = b.to(tl.int64) * stride_mb + h * stride_mh + slot
+        tl.store(mass_ptr + m_off, mass / GROUP, mask=c_ok)
+
+
+def launch_split_attention(
+    grid: tuple[int, int, int],
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    lengths: PagedLengths,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    split_len: int,
+    block_m: int,
+    block_n: int,
+    device_splits: int | None,
+    num_splits: int,
+    precision: str,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Launch :func:`attn_split_kernel` over ``grid`` and merge its splits into ``out``.
+
+    With one split the kernel writes ``out`` ``(T, Hq, D)`` and ``lse`` ``(T, Hq)``
+    directly; otherwise float32 partials ``(num_splits, T, Hq, D)`` and their
+    log-sum-exps are merged by :func:`merge_splits`. ``device_splits`` None: every split
+    is ``split_len`` keys (host lengths); an int: each program derives its split
+    from the lengths on the device (a fixed grid, CUDA-graph safe). ``key_scales`` /
+    ``value_scales`` ``(num_blocks, block_size, Hkv)`` switch on int8 pools; ``precision``
+    is ``tl.dot``'s input precision (``"ieee"`` or ``"tf32"``).
+    """
+    total_q, hq, d = out.shape
+    if num_splits == 1:
+        part, part_lse = out, lse[None]
+        part_strides: tuple[int, ...] = (0, out.stride(0), out.stride(1))
+    else:
+        part = torch.empty(num_splits, total_q, hq, d, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(num_splits, total_q, hq, dtype=torch.float32, device=out.device)
+        part_strides = part.stride()[:3]
+    quant = key_scales is not None and value_scales is not None
+    # no scales: the pools stand in for the pointers, never read (QUANT is off)
+    ks = key_scales if quant else key_pool
+    vs = value_scales if quant else value_pool
+    scale_strides = key_scales.stride() if quant and key_scales is not None else (0, 0, 0)
+    attn_split_kernel[grid](
+        queries,
+        key_pool,
+        value_pool,
+        ks,
+        vs,
+        block_table,
+        cu_seqlens_q,
+        lengths.kept,
+        lengths.tail_start,
+        lengths.seq_len,
+        part,
+        part_lse,
+        scale * LOG2E,
+        split_len,
+        d,
+        queries.stride(0),
+        queries.stride(1),
+        *key_pool.stride()[:3],
+        *scale_strides,
+        block_table.stride(0),
+        *part_strides,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        HKV=key_pool.shape[2],
+        GROUP=hq // key_pool.shape[2],
+        BLOCK_SIZE=key_pool.shape[1],
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+        QUANT=quant,
+        NUM_SPLITS=0 if device_splits is None else device_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        merge_splits(part, part_lse, out, lse, num_splits)
+
+
+def merge_splits(
+    part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int
+) -> None:
+    """Merge ``(splits, T, Hq, D)`` partial outputs into ``out`` by their log-sum-exp."""
+    if not out.is_contiguous():
+        raise ValueError("internal: output must be contiguous for the split merge")
+    total_q, hq, d = out.shape
+    merge_splits_kernel[(total_q * hq,)](
+        part,
+        part_lse,
+        out,
+        lse,
+        splits,
+        d,
+        total_q * hq,
+        part.stride(0),
+        part_lse.stride(0),
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1,
+    )
