@@ -36,18 +36,17 @@ import torch
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, TieredStore
 from lmcompact.vllm import vllm_shim as shim
-from lmcompact.vllm.compaction import SaveJob, compact_job, full_nbytes
 from lmcompact.vllm.config import ConnectorConfig
-from lmcompact.vllm.holes import cut_holes_in_place
 from lmcompact.vllm.kv_layout import PageLayout, make_layout
 from lmcompact.vllm.metadata import (
     ReconstructCapture,
-    SaveSpec,
     StepMetadata,
     WorkerReport,
 )
 from lmcompact.vllm.reconstruct import ReconstructScores
 from lmcompact.vllm.worker_load import ChunkLoading
+from lmcompact.vllm.worker_save import ChunkSaving
+from lmcompact.vllm.worker_tables import TableCutting
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ AttentionObserver = Callable[[str, torch.Tensor, Any, torch.Tensor], None]
 """``observer(layer_name, query, attn_metadata, output)`` after every patched attention."""
 
 
-class WorkerHalf(ChunkLoading):
+class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
     """Loads, captures and saves KV for one worker (one tensor-parallel rank)."""
 
     def __init__(
@@ -151,96 +150,6 @@ class WorkerHalf(ChunkLoading):
             self.kept,
             self.config.store.chunk_size,
         )
-
-    def _choose_hole_cutting(self) -> None:
-        """Cut holes in the runner's buffers where the runner allows it (full CUDA graphs
-        need it); sliding-window layers need a cut of their own per layer kind, which only
-        the per-layer path makes, so with them full graphs are refused."""
-        self.full_graphs = shim.full_cudagraphs(self.vllm_config)
-        self.cut_at_build = (
-            self.config.cuda_graphs == "full"
-            and not self.sliding_layers
-            and shim.hook_step_tables()
-        )
-        if self.full_graphs and not self.cut_at_build:
-            why = (
-                f"the model has {len(self.sliding_layers)} sliding-window layers, whose "
-                "windows are cut per layer inside attention"
-                if self.sliding_layers
-                else f"this vLLM ({shim.vllm_version()}) has no runner hook for hole cuts"
-                if self.config.cuda_graphs == "full"
-                else 'kv_connector_extra_config "cuda_graphs" is "piecewise"'
-            )
-            raise ValueError(
-                f"LMCompactConnector cannot run with full CUDA graphs here: {why}, which a "
-                "replayed graph skips. Start vLLM with piecewise graphs "
-                '(compilation_config={"cudagraph_mode": "PIECEWISE"}, CLI '
-                "-cc.cudagraph_mode=PIECEWISE) or enforce_eager"
-            )
-        logger.info(
-            "holes cut %s (full CUDA graphs %s)",
-            "in the runner's input buffers where its hooks run (vLLM's V2 GPU runner)"
-            if self.cut_at_build
-            else "per attention layer",
-            "on" if self.full_graphs else "off",
-        )
-
-    # ------------------------------------------------------------------ runner hooks
-    def stage(self, connector_metadata: Any, uniform: bool, has_tokens: bool) -> bool:
-        """The coming step's metadata (see :class:`lmcompact.vllm.vllm_shim.StepTableEditor`)."""
-        step = getattr(connector_metadata, "step", None)
-        self._staged = step if isinstance(step, StepMetadata) else None
-        self._stage_seen = True
-        self._forward_expected = has_tokens
-        captures = self._staged is not None and bool(self._staged.captures)
-        eager = self.full_graphs and uniform and captures
-        if eager:
-            self.stats["eager_capture_steps"] += 1
-        return eager
-
-    def edit_tables(
-        self,
-        req_ids: list[str],
-        block_tables: tuple[torch.Tensor, ...],
-        seq_lens: torch.Tensor,
-        seq_lens_upper: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """Cut the staged step's holes out of the runner's buffers, by request id."""
-        step = self._staged
-        self._cut_for = step
-        if step is None or not step.holes:
-            return None
-        bs = self.facts.block_size
-        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
-        rows: list[int] = []
-        starts: list[int] = []
-        lengths: list[int] = []
-        for hole in step.holes.values():
-            if not hole.req_id:
-                raise RuntimeError(f"hole without a request id: {hole}")
-            row = row_of.get(hole.req_id)
-            if row is None:
-                continue
-            end = (hole.start_block + hole.num_blocks) * bs
-            if int(seq_lens_upper[row]) <= end:
-                raise ValueError(
-                    f"{hole.req_id}: hole blocks [{hole.start_block}, "
-                    f"{hole.start_block + hole.num_blocks}) need more than {end} keys, the "
-                    f"step has {int(seq_lens_upper[row])}"
-                )
-            rows.append(row)
-            starts.append(hole.start_block)
-            lengths.append(hole.num_blocks)
-        if not rows:
-            return None
-        if len(block_tables) != 1:
-            raise ValueError(f"holes need one KV-cache group, the runner has {len(block_tables)}")
-        cut_holes_in_place(block_tables[0], seq_lens, rows, starts, lengths, bs)
-        upper = seq_lens_upper.clone()
-        for row, length in zip(rows, lengths, strict=True):
-            upper[row] -= length * bs
-        self.stats["rows_cut_in_buffers"] += len(rows)
-        return upper
 
     @property
     def sliding_layers(self) -> frozenset[int]:
@@ -451,106 +360,6 @@ class WorkerHalf(ChunkLoading):
                     self._pending.append(self._executor.submit(self._run_job, job))
             else:
                 self._run_job(job)
-
-    def _copy_job(self, spec: SaveSpec) -> SaveJob:
-        """Copy whole pages and the collected queries: the only work on the forward path."""
-        bs = self.facts.block_size
-        first, last = spec.start // bs, (spec.start + spec.num_tokens + bs - 1) // bs
-        index = torch.tensor(spec.block_ids[first:last], dtype=torch.int64)
-        pages = [kv[index.to(kv.device)].to("cpu") for kv in self.kv_caches.values()]
-        window = self.window_queries(spec.req_id)
-        self.forget_window(spec.req_id)
-        queries = None
-        query_positions = None
-        context_scores = None
-        if spec.reconstruct:
-            context_scores = self._reconstruction_scores(spec, pages)
-        elif spec.token_scores is not None:
-            given = torch.tensor(spec.token_scores[: spec.num_tokens], dtype=torch.float32)
-            context_scores = [given.expand(self.facts.num_kv_heads, -1) for _ in pages]
-        elif window is not None:
-            queries = [q.float().cpu() for q in window[0]]
-            query_positions = torch.tensor(window[1], dtype=torch.int64)
-        first_layer = next(iter(self.layers.values()))
-        return SaveJob(
-            spec.req_id,
-            self.slice_keys(spec.keys),
-            spec.start,
-            spec.num_tokens,
-            pages,
-            queries,
-            query_positions,
-            shim.attention_scale(first_layer),
-            window=self.config.window,
-            rope=self.rope,
-            context_scores=context_scores,
-        )
-
-    def _reconstruction_scores(
-        self, spec: SaveSpec, pages: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Per layer ``(H, num_tokens)`` scores of the saved span from the request's running
-        maxima; layers never scored (sliding ones, whose plans keep the recent tokens) get 0."""
-        recon = self._recon.pop(spec.req_id, None)
-        h = self.facts.num_kv_heads
-        if recon is None:
-            logger.warning(
-                "reconstruction pass %s has no scores (its repeat queries were not seen); "
-                "its chunks are compacted with zero scores",
-                spec.req_id,
-            )
-            return [torch.zeros(h, spec.num_tokens) for _ in pages]
-        span = slice(spec.start, spec.start + spec.num_tokens)
-        return [
-            torch.zeros(h, spec.num_tokens) if s is None else s[:h, span] for s in recon.per_layer()
-        ]
-
-    def _run_job(self, job: SaveJob) -> None:
-        try:
-            began = time.perf_counter()
-            items = compact_job(
-                job,
-                self.layout,
-                self.policy,
-                self.config.store.chunk_size,
-                self.kept,
-                recent_layers=self.sliding_layers,
-            )
-            elapsed = time.perf_counter() - began
-            stored = self.store.put_many(items)
-            with self._lock:
-                for (key, _), ok in zip(items, stored, strict=True):
-                    (self._report.saved if ok else self._report.save_failed).add(key)
-                self.stats["saves"] += 1
-                self.stats["saved_chunks"] += sum(stored)
-                self.stats["compact_s"] += elapsed
-                self.stats["compact_tokens"] += len(items) * self.config.store.chunk_size
-                for (_, chunk), ok in zip(items, stored, strict=True):
-                    if ok:
-                        self.stats["bytes_stored"] += chunk.payload_nbytes
-                        self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
-            logger.info(
-                "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head) (%s), %.3f s",
-                job.req_id,
-                sum(stored),
-                len(items),
-                len(items) * self.kept,
-                len(items) * self.config.store.chunk_size,
-                self.config.policy,
-                elapsed,
-            )
-        except Exception:  # never take the engine down for a failed save
-            with self._lock:
-                self._report.save_failed.update(job.keys)
-                self.stats["save_errors"] += 1
-            logger.exception("saving KV of %s failed; it will be recomputed next time", job.req_id)
-
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """Wait until every background save finished (tests, benchmarks, shutdown)."""
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            future.result(timeout=timeout_s)
 
     def shutdown(self) -> None:
         self.drain()
