@@ -119,6 +119,13 @@ class CompactingCache(Cache):
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
         )
         self.context_sampler: CompactionPolicy = policy
+        if Need.CONTEXT_SCORES in policy.needs and policy.context_queries(2) is None:
+            raise ValueError(
+                f"policy {policy.name!r} reads per-token scores that the integration supplies "
+                "(context_scores), not ones attention can compute here; the transformers "
+                "cache has no source for them. Use it on vLLM's save path "
+                "(lmcompact.vllm.reconstruct.store_surprisal_context for self_info)"
+            )
         rotates = self.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
         self.rope = rope_from_model(model) if rotates else None
         self.attention_scale: float | None = None

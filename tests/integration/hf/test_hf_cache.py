@@ -10,6 +10,7 @@ import torch
 
 from lmcompact.eval.policies import policy_for
 from lmcompact.eval.text import text_stream
+from lmcompact.policies import Need
 from lmcompact.policies.registry import available_policies
 
 pytestmark = pytest.mark.integration
@@ -72,7 +73,13 @@ def test_budget_one_reproduces_the_full_cache(
     from lmcompact.hf.cache import CompactingCache
 
     model, tokenizer = loaded
-    cache = CompactingCache(model, policy_for(name, 1.0, PROMPT_TOKENS), tokenizer=tokenizer)
+    policy = policy_for(name, 1.0, PROMPT_TOKENS)
+    if Need.CONTEXT_SCORES in policy.needs and policy.context_queries(2) is None:
+        # scores only an integration supplies (self_info: vLLM's prompt logprobs)
+        with pytest.raises(ValueError, match="supplies"):
+            CompactingCache(model, policy, tokenizer=tokenizer)
+        return
+    cache = CompactingCache(model, policy, tokenizer=tokenizer)
     assert generate(loaded, prompt, cache, NEW_TOKENS) == reference
     assert cache.kept_ratio() == 1.0
 
