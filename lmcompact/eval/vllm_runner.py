@@ -188,7 +188,7 @@ def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
 
     params = config.policy_params.get(policy, {})
     made = make_policy(policy, budget=0.5, **params)
-    return Need.CONTEXT_SCORES in made.needs and made.context_queries(1) is not None
+    return Need.CONTEXT_SCORES in made.needs and not made.scores_given
 
 
 def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
@@ -196,10 +196,10 @@ def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
     context scores it cannot compute from the request's own queries)."""
     if mode != "save" or policy == BASELINE:
         return False
-    from lmcompact.policies import Need, make_policy
+    from lmcompact.policies import make_policy
 
     made = make_policy(policy, budget=0.5, **config.policy_params.get(policy, {}))
-    return Need.CONTEXT_SCORES in made.needs and made.context_queries(1) is None
+    return made.scores_given
 
 
 def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:

@@ -119,7 +119,7 @@ class CompactingCache(Cache):
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
         )
         self.context_sampler: CompactionPolicy = policy
-        if Need.CONTEXT_SCORES in policy.needs and policy.context_queries(2) is None:
+        if policy.scores_given:
             raise ValueError(
                 f"policy {policy.name!r} reads per-token scores that the integration supplies "
                 "(context_scores), not ones attention can compute here; the transformers "

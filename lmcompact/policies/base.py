@@ -91,6 +91,13 @@ class CompactionPolicy(ABC):
         not read them (every integration asks the policy, so all score alike)."""
         return None
 
+    @property
+    def scores_given(self) -> bool:
+        """True when the policy reads ``context_scores`` that no attention pass computes
+        (it samples no ``context_queries``): the integration must supply them with the
+        request (``self_info``: surprisal from the engine's prompt logprobs)."""
+        return Need.CONTEXT_SCORES in self.needs and self.context_queries(1) is None
+
     def context_shift(self, length: int) -> int | None:
         """Positions by which the integration moves the ``context_queries`` (RoPE) before
         scoring, letting each see every key (a repeat of the context after it); None

@@ -436,7 +436,7 @@ class SchedulerHalf:
             first += 1  # another request is saving the same leading chunks right now
         if first >= n_full:
             return
-        if recon is None and tracked.token_scores is None and self._needs_given_scores(prompt_len):
+        if recon is None and tracked.token_scores is None and self.policy.scores_given:
             logger.warning(
                 "request %s: policy %r scores with token_scores given with the storing "
                 "request (lmcompact.vllm.reconstruct.store_surprisal_context); this one has "
@@ -461,14 +461,6 @@ class SchedulerHalf:
                     None if tracked.token_scores is None else tracked.token_scores[first * c :]
                 ),
             )
-        )
-
-    def _needs_given_scores(self, prompt_len: int) -> bool:
-        """Whether the store policy reads context scores it cannot compute from the
-        request's own queries (``self_info``: they come with the request)."""
-        return (
-            Need.CONTEXT_SCORES in self.policy.needs
-            and self.policy.context_queries(prompt_len) is None
         )
 
     def finished(self, req_id: str) -> None:

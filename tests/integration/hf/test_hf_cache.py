@@ -10,7 +10,6 @@ import torch
 
 from lmcompact.eval.policies import policy_for
 from lmcompact.eval.text import text_stream
-from lmcompact.policies import Need
 from lmcompact.policies.registry import available_policies
 
 pytestmark = pytest.mark.integration
@@ -74,7 +73,7 @@ def test_budget_one_reproduces_the_full_cache(
 
     model, tokenizer = loaded
     policy = policy_for(name, 1.0, PROMPT_TOKENS)
-    if Need.CONTEXT_SCORES in policy.needs and policy.context_queries(2) is None:
+    if policy.scores_given:
         # scores only an integration supplies (self_info: vLLM's prompt logprobs)
         with pytest.raises(ValueError, match="supplies"):
             CompactingCache(model, policy, tokenizer=tokenizer)
