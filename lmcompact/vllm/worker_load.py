@@ -7,37 +7,21 @@ it reads the half's store, layout, caches and counters, declared below).
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
-from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
-from lmcompact.vllm import vllm_shim as shim
+from lmcompact.store import CompactedChunk
 from lmcompact.vllm.compaction import chunk_problem
-from lmcompact.vllm.config import ConnectorConfig
-from lmcompact.vllm.kv_layout import PageLayout
 from lmcompact.vllm.metadata import LoadSpec, WorkerReport
+from lmcompact.vllm.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkLoading:
+class ChunkLoading(WorkerState):
     """Load specs of a step -> K/V rows in the paged cache, or block ids to recompute."""
 
-    config: ConnectorConfig
-    facts: shim.EngineFacts
-    store: TieredStore
-    layout: PageLayout
-    kept: int
-    kv_caches: dict[str, torch.Tensor]
-    layer_index: dict[str, int]
-    stats: dict[str, float]
-    _lock: threading.Lock
-    _report: WorkerReport
     _load_errors: set[int]
-
-    def slice_keys(self, keys: list[ChunkKey]) -> list[ChunkKey]:
-        raise NotImplementedError  # the worker half's: this rank's slice of each chunk
 
     def _load(self, load: LoadSpec) -> None:
         """Fetch, verify and write chunk rows into slots ``start + i * kept ..`` of every

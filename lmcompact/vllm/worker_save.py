@@ -7,57 +7,29 @@ it reads the half's store, policy, caches and counters, declared below).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
 from lmcompact.attention.rope import Rope
 from lmcompact.policies import CompactionPolicy
-from lmcompact.store import ChunkKey, TieredStore
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.compaction import SaveJob, compact_job, full_nbytes
-from lmcompact.vllm.config import ConnectorConfig
-from lmcompact.vllm.kv_layout import PageLayout
-from lmcompact.vllm.metadata import SaveSpec, WorkerReport
+from lmcompact.vllm.metadata import SaveSpec
 from lmcompact.vllm.reconstruct import ReconstructScores
+from lmcompact.vllm.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkSaving:
+class ChunkSaving(WorkerState):
     """Save specs of a step -> a copy of their pages now, compaction and store in the background."""
 
-    config: ConnectorConfig
-    facts: shim.EngineFacts
-    store: TieredStore
     policy: CompactionPolicy
-    layout: PageLayout
-    kept: int
     rope: Rope | None
-    kv_caches: dict[str, torch.Tensor]
-    layers: dict[str, Any]
-    stats: dict[str, float]
-    _lock: threading.Lock
-    _report: WorkerReport
     _pending: list[Future[None]]
     _recon: dict[str, ReconstructScores]
-
-    # the worker half's own (declared here for the type checker)
-    def slice_keys(self, keys: list[ChunkKey]) -> list[ChunkKey]:
-        raise NotImplementedError
-
-    def window_queries(self, req_id: str) -> tuple[list[torch.Tensor], list[int]] | None:
-        raise NotImplementedError
-
-    def forget_window(self, req_id: str) -> None:
-        raise NotImplementedError
-
-    @property
-    def sliding_layers(self) -> frozenset[int]:
-        raise NotImplementedError
 
     def _copy_job(self, spec: SaveSpec) -> SaveJob:
         """Copy whole pages and the collected queries: the only work on the forward path."""

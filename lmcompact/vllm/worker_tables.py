@@ -13,30 +13,22 @@ from typing import Any
 import torch
 
 from lmcompact.vllm import vllm_shim as shim
-from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.holes import cut_holes_in_place
 from lmcompact.vllm.metadata import StepMetadata
+from lmcompact.vllm.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
 
-class TableCutting:
+class TableCutting(WorkerState):
     """Stages each step's holes and cuts them from the gathered block tables and key lengths."""
 
-    config: ConnectorConfig
-    facts: shim.EngineFacts
-    vllm_config: Any
-    stats: dict[str, float]
     full_graphs: bool
     cut_at_build: bool
     _staged: StepMetadata | None
     _cut_for: StepMetadata | None
     _stage_seen: bool
     _forward_expected: bool
-
-    @property
-    def sliding_layers(self) -> frozenset[int]:
-        raise NotImplementedError  # the worker half's
 
     def _choose_hole_cutting(self) -> None:
         """Cut holes in the runner's buffers where the runner allows it (full CUDA graphs
