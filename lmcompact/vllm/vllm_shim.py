@@ -33,7 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmcompact.attention.rope import Rope
 from lmcompact.vllm.shim_graphs import (
     StepTableEditor,
-    _cut_attention_inputs,
     full_cudagraphs,
     hook_step_tables,
 )
@@ -65,7 +64,6 @@ __all__ = [  # besides the functions below: the graph and metadata parts, re-exp
     "KVConnectorWorkerMetadata",
     "ScheduledRequest",
     "StepTableEditor",
-    "_cut_attention_inputs",
     "allocated_block_ids",
     "apply_holes",
     "current_forward_context",

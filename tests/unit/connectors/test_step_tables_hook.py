@@ -1,4 +1,4 @@
-"""The full-graph hole cut's key-length handling (``vllm_shim._cut_attention_inputs``).
+"""The full-graph hole cut's key-length handling (``shim_graphs._cut_attention_inputs``).
 
 The GPU test ``tests/gpu/test_serve_graphs.py`` runs it inside vLLM 0.26; here its contract
 runs on the CPU with a stand-in batch: attention reads a cut copy in a fixed buffer, while the
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lmcompact.vllm import shim_graphs
-from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.holes import cut_holes_in_place
 
 BS = 4
@@ -62,7 +61,7 @@ def test_attention_reads_a_cut_copy_and_the_runner_keeps_logical_lengths(
     upper = inputs.seq_lens_cpu_upper_bound
     tables = (torch.arange(12, dtype=torch.int32).view(2, 6),)
     seen: dict[str, Any] = {}
-    with shim._cut_attention_inputs(state, inputs, tables, capture):
+    with shim_graphs._cut_attention_inputs(state, inputs, tables, capture):
         seen["lens"] = inputs.seq_lens.clone()
         seen["ptr"] = inputs.seq_lens.data_ptr()
         seen["max"] = int(inputs.seq_lens_cpu_upper_bound.max())
@@ -84,6 +83,6 @@ def test_without_an_lmcompact_connector_nothing_changes(monkeypatch: pytest.Monk
     state = SimpleNamespace()
     inputs = batch()
     logical = inputs.seq_lens
-    with shim._cut_attention_inputs(state, inputs, (torch.zeros(2, 6),), False):
+    with shim_graphs._cut_attention_inputs(state, inputs, (torch.zeros(2, 6),), False):
         assert inputs.seq_lens is logical
     assert not hasattr(state, "_lmcompact_seq_lens")
