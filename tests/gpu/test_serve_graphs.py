@@ -162,6 +162,16 @@ def dense_next_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
+PACK_SNAPKV: dict[str, Any] = {
+    "policy": "snapkv",
+    "budget": 0.25,
+    "save": False,
+    "load": False,
+    "window": 32,
+    "memory": {"prefill": "pack"},
+}
+"""In-place SnapKV packs at the prefill end, no store (both pack tests)."""
+
 GRAPH_MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # (connector options, LLM keywords)
     "full": ({"cuda_graphs": "full"}, {}),  # vLLM's default FULL_AND_PIECEWISE kept
@@ -187,14 +197,7 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
         return index
 
     ids = prompt(3)
-    extra = {
-        "policy": "snapkv",
-        "budget": 0.25,
-        "save": False,
-        "load": False,
-        "window": 32,
-        "memory": {"prefill": "pack"},
-    }
+    extra = PACK_SNAPKV
     DevicePacker.pack = pack  # type: ignore[method-assign]
     try:
         options, overrides = GRAPH_MODES[graphs]
@@ -277,14 +280,7 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=5
     )
-    extra = {
-        "policy": "snapkv",
-        "budget": 0.25,
-        "save": False,
-        "load": False,
-        "window": 32,
-        "memory": {"prefill": "pack"},
-    }
+    extra = PACK_SNAPKV
     runs: dict[str, list[Steps]] = {}
     # full graphs over buffer cuts against eager steps over per-layer metadata cuts
     for name in ("full", "eager"):
