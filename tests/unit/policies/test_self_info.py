@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
-from lmcompact.policies.self_info import surprisal_from_logprobs
+from lmcompact.policies.self_info import local_mean, surprisal_from_logprobs
 from lmcompact.store import ChunkKeyer, StoreNamespace
 from lmcompact.vllm.compaction import SaveJob, compact_job
 from lmcompact.vllm.kv_layout import CpuPageLayout
@@ -37,6 +37,26 @@ def test_a_dense_surprising_span_beats_one_spike() -> None:
     assert spiky.plan(_inputs(scores)).kept[0][0].tolist() == [0, 1, 10]
 
 
+def test_background_ranks_a_span_by_how_much_it_stands_out() -> None:
+    """A long uniformly surprising stretch (a document's opening, a code block: 5.0 on
+    positions 0..79) fills the budget when ranked raw; with the local background
+    subtracted a short span that stands out from its flat surroundings (4.0 on 150..154
+    over 1.0) is kept whole instead."""
+    scores = torch.ones(1, 256)
+    scores[0, :80] = 5.0
+    scores[0, 150:155] = 4.0
+    params = {"budget": 16, "n_sink": 0, "smooth": 1, "kernel_size": 5}
+    raw = make_policy("self_info", **params).plan(_inputs(scores)).kept[0][0].tolist()
+    assert all(p < 80 for p in raw)
+    contrast = make_policy("self_info", background=63, **params)
+    kept = contrast.plan(_inputs(scores)).kept[0][0].tolist()
+    assert set(range(150, 155)) <= set(kept)
+    # the mean counts only real positions: a flat chunk stays flat up to its edges
+    flat = local_mean(torch.full((1, 40), 2.0, dtype=torch.float64), 63)
+    assert torch.allclose(flat, torch.full_like(flat, 2.0))
+    assert torch.equal(local_mean(scores.double(), 1), torch.zeros(1, 256, dtype=torch.float64))
+
+
 @pytest.mark.parametrize(
     ("params", "key"),
     [
@@ -44,6 +64,7 @@ def test_a_dense_surprising_span_beats_one_spike() -> None:
         ({"kernel_size": 0}, "kernel_size"),
         ({"kernel_size": 2.0}, "kernel_size"),
         ({"n_sink": -1}, "n_sink"),
+        ({"background": 64}, "background"),
     ],
 )
 def test_bad_params_name_the_key(params: dict[str, object], key: str) -> None:
