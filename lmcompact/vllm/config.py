@@ -55,6 +55,18 @@ TIERS = ("cpu", "redis")
 CUDA_GRAPHS = ("piecewise", "full")
 """Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
 
+POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"snapkv": {"kernel_size": 15}}
+"""The connector's defaults for a policy's hyper-parameters where they differ from the
+policy class's own (the paper's); ``policy_params`` override them key by key.
+
+snapkv's max-pool width is 15 here (SnapKV's paper and kvpress: 7). Measured through this
+connector (``lmcompact eval --engine vllm --tasks multi_needle``, budget 0.25, 15 questions
+per cell, ``docs/eval/RESULTS.md``): kernel 15 kept the full cache's accuracy in all 8 cells
+(SmolLM2-135M and Gemma-3-270m, 2k and 4k, ``compact_on: load`` and in place), kernel 7 lost
+a question in place on Gemma-3 at 2k and at 4k (a 5-digit answer with a digit dropped: a
+pool of 7 around a peak inside the number does not cover the number and the words before
+it)."""
+
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
 """Inputs the in-place pack (:func:`lmcompact.vllm.memory.packing.plan_pack`) does not compute."""
@@ -135,7 +147,8 @@ class ConnectorConfig:
     Attributes:
         policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
             the full KV and is exact.
-        policy_params: the policy's hyper-parameters besides the budget.
+        policy_params: the policy's hyper-parameters besides the budget; unset ones take
+            :data:`POLICY_DEFAULTS` (snapkv: ``kernel_size`` 15), then the policy's own.
         budget: kept fraction, in (0, 1]; kept as whole KV blocks, so the engine refuses a
             budget a stored chunk's block count cannot honour within 10% (the error names
             the possible values).
@@ -237,8 +250,13 @@ class ConnectorConfig:
         """True when the store holds compacted chunks (``compact_on`` ``"save"``)."""
         return self.compacts and self.store.compact_on == "save"
 
+    @property
+    def effective_params(self) -> dict[str, Any]:
+        """``policy_params`` over the connector's :data:`POLICY_DEFAULTS` for the policy."""
+        return {**POLICY_DEFAULTS.get(self.policy, {}), **self.policy_params}
+
     def make_policy(self) -> CompactionPolicy:
-        params = dict(self.policy_params)
+        params = self.effective_params
         if "budget" in params:
             raise ValueError("give the budget as the top-level 'budget' option, not a policy_param")
         if self.policy != "none":
@@ -259,7 +277,7 @@ class ConnectorConfig:
         (policy ``none``, or ``compact_on`` ``"load"``) share one namespace."""
         if not self.store_compacts:
             return {"budget": 1.0}
-        params = dict(self.policy_params)
+        params = self.effective_params
         params["budget"] = float(self.budget)
         return params
 

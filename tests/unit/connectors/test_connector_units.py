@@ -171,3 +171,19 @@ def test_compact_job_keeps_budget_and_positions() -> None:
             k, v, pos = out.head(layer, head)
             assert torch.equal(k, keys[layer][head, pos.long()])
             assert torch.equal(v, values[layer][head, pos.long()])
+
+
+def test_snapkv_pools_over_15_by_default_in_the_connector() -> None:
+    """The connector's snapkv default kernel is 15 (POLICY_DEFAULTS, measured in
+    docs/eval/RESULTS.md); policy_params override it, and the stored chunks of two kernels
+    live in two namespaces."""
+    base = {"policy": "snapkv", "budget": 0.25}
+    default = ConnectorConfig.from_extra(base)
+    assert default.make_policy().kernel_size == 15  # type: ignore[attr-defined]
+    paper = ConnectorConfig.from_extra({**base, "policy_params": {"kernel_size": 7}})
+    assert paper.make_policy().kernel_size == 7  # type: ignore[attr-defined]
+    assert default.namespace_params() == {"kernel_size": 15, "budget": 0.25}
+    assert paper.namespace_params() != default.namespace_params()
+    # other policies keep their own defaults
+    knorm = ConnectorConfig.from_extra({"policy": "knorm", "budget": 0.25})
+    assert knorm.effective_params == {}
