@@ -23,6 +23,8 @@ scored layer and head, from one ``(T,)`` score, max-pooled with width ``kN``):
 - ``surp_kN``: surprisal alone (Selective Context / LLMLingua's self-information);
 - ``mix_kN``: mean of the ranks of ``mean`` and of ``surp``; ``rmix_kN``: of ``rank`` and ``surp``;
 - suffix ``_aN``: average-pool the score over ``N`` tokens first (a span's density);
+- suffix ``_bN``: then subtract its mean over the ``N`` nearest tokens (``self_info``'s
+  ``background``: a span ranks by how much it stands out from its surroundings);
 - suffix ``_glob``: one top-k over the whole context instead of per chunk (ragged counts).
 
 Haystacks (``--text``): ``pydoc`` (the eval's, default) or ``licenses``: the plain-English
@@ -49,6 +51,7 @@ from lmcompact.eval import tasks
 from lmcompact.eval.text import text_stream
 from lmcompact.hf.reconstruct import Reconstruction, reconstruct
 from lmcompact.policies.kvzip import REPEAT_PROMPT
+from lmcompact.policies.self_info import local_mean
 
 DEFAULT_METHODS = "streaming_llm,mean_k15,mean_k31,rank_k15,max_k15,surp_k15,mix_k15,mean_k15_glob"
 N_SINK = 4
@@ -125,7 +128,9 @@ def keep_masks(
         kind, *options = method.split("_")
         kernel = next((int(o[1:]) for o in options if o.startswith("k")), 1)
         smooth = next((int(o[1:]) for o in options if o.startswith("a")), 1)
-        score = pool_scores(shared_score(rec, kind)[None], smooth, "avgpool")[0]
+        background = next((int(o[1:]) for o in options if o.startswith("b")), 1)
+        score = pool_scores(shared_score(rec, kind)[None], smooth, "avgpool")
+        score = (score - local_mean(score, background))[0]
         shared = select(score, chunk, kept, kernel, "glob" in options)
     masks = shared.expand(layers, heads, t).clone()
     recent = torch.zeros(t, dtype=torch.bool)

@@ -248,17 +248,56 @@ def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def relabel(payload: dict[str, Any], renames: dict[str, str]) -> list[str]:
+    """Rename the ``policy`` of our (``engine`` ``"vllm"``) rows in place, old -> new label,
+    exact matches only, and return a note per rename that took effect.
+
+    When a default changes, earlier rows that ran with the old default keep their meaning
+    under an explicit label (``snapkv`` -> ``snapkv(kernel_size=7)``), so a merge neither
+    mixes them with runs of the new default nor drops one as a duplicate of the other."""
+    notes = []
+    for old, new in renames.items():
+        count = 0
+        for row in payload["samples"]:
+            if row.get("engine", "vllm") == "vllm" and row.get("policy") == old:
+                row["policy"] = new
+                count += 1
+        if count:
+            notes.append(f"relabelled {count} rows: {old} -> {new}")
+    return notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lmcompact.eval.vllm_report --json OUT IN.json ...``: merge runs, write the
-    JSON, the markdown table and the plots next to it."""
+    JSON, the markdown table and the plots next to it. ``--relabel OLD=NEW`` renames our rows'
+    policy label in the inputs first (:func:`relabel`; recorded in the output's
+    ``relabelled``)."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("inputs", nargs="+", help="JSON files of lmcompact eval --engine vllm")
     parser.add_argument("--json", required=True, help="merged JSON to write")
+    parser.add_argument(
+        "--relabel",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="rename a policy label of our rows in the inputs before merging (repeatable)",
+    )
     args = parser.parse_args(argv)
-    payload = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+    renames = {}
+    for item in args.relabel:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            parser.error(f"--relabel takes OLD=NEW, got {item!r}")
+        renames[old] = new
+    inputs = [json.loads(Path(p).read_text()) for p in args.inputs]
+    notes = [n for payload in inputs for n in relabel(payload, renames)]
+    payload = merge(inputs)
+    previous = [n for p in inputs for n in p.get("relabelled", [])]
+    if previous or notes:
+        payload["relabelled"] = previous + notes
     out = Path(args.json)
     out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     table = markdown(payload["results"], payload["samples"])

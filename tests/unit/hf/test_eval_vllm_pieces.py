@@ -135,6 +135,34 @@ def test_merge_keeps_a_repeated_baseline_once(tmp_path: Path) -> None:
     }
 
 
+def test_relabel_renames_our_rows_before_the_merge(tmp_path: Path) -> None:
+    """An old default's rows get an explicit label: they stay apart from a new run's rows of
+    the same (sample, question), and kvpress's rows keep theirs."""
+    import json
+
+    old = [{**_row("inplace", "snapkv", 0.25, 0.0), "sample": 0, "question": 0}]
+    old.append({**old[0], "engine": "kvpress", "accuracy": 1.0})
+    new = [{**_row("inplace", "snapkv(kernel_size=15)", 0.25, 1.0), "sample": 0, "question": 0}]
+    paths = []
+    for name, rows in (("old", old), ("new", new)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"command": name, "samples": rows}))
+        paths.append(str(path))
+    out = tmp_path / "merged.json"
+    relabel = ["--relabel", "snapkv=snapkv(kernel_size=7)"]
+    assert vllm_report.main([*paths, "--json", str(out), *relabel]) == 0
+    merged = json.loads(out.read_text())
+    labels = {(r["engine"], r["policy"]) for r in merged["samples"]}
+    assert labels == {
+        ("vllm", "snapkv(kernel_size=7)"),
+        ("kvpress", "snapkv"),
+        ("vllm", "snapkv(kernel_size=15)"),
+    }
+    assert merged["relabelled"] == ["relabelled 1 rows: snapkv -> snapkv(kernel_size=7)"]
+    with pytest.raises(SystemExit):
+        vllm_report.main([*paths, "--json", str(out), "--relabel", "snapkv"])
+
+
 def test_save_mode_of_kvzip_uses_the_reconstruction_request() -> None:
     from lmcompact.eval.vllm_runner import connector_extra, policy_label, uses_reconstruction
 
