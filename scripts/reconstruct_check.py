@@ -23,6 +23,8 @@ scored layer and head, from one ``(T,)`` score, max-pooled with width ``kN``):
 - ``surp_kN``: surprisal alone (Selective Context / LLMLingua's self-information);
 - ``mix_kN``: mean of the ranks of ``mean`` and of ``surp``; ``rmix_kN``: of ``rank`` and ``surp``;
 - suffix ``_aN``: average-pool the score over ``N`` tokens first (a span's density);
+- suffix ``_wN``: scale the score of the first ``N`` positions by ``position / N`` first
+  (``self_info``'s ``warmup``: a document's opening is improbable for lack of context);
 - suffix ``_bN``: then subtract its mean over the ``N`` nearest tokens (``self_info``'s
   ``background``: a span ranks by how much it stands out from its surroundings);
 - suffix ``_glob``: one top-k over the whole context instead of per chunk (ragged counts).
@@ -129,7 +131,11 @@ def keep_masks(
         kernel = next((int(o[1:]) for o in options if o.startswith("k")), 1)
         smooth = next((int(o[1:]) for o in options if o.startswith("a")), 1)
         background = next((int(o[1:]) for o in options if o.startswith("b")), 1)
-        score = pool_scores(shared_score(rec, kind)[None], smooth, "avgpool")
+        warmup = next((int(o[1:]) for o in options if o.startswith("w")), 0)
+        raw = shared_score(rec, kind)
+        if warmup:
+            raw = raw * (torch.arange(t, dtype=torch.float64) / warmup).clamp(max=1.0)
+        score = pool_scores(raw[None], smooth, "avgpool")
         score = (score - local_mean(score, background))[0]
         shared = select(score, chunk, kept, kernel, "glob" in options)
     masks = shared.expand(layers, heads, t).clone()

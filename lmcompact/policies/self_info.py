@@ -31,19 +31,21 @@ class SelfInformation(ScorePolicy):
     layer and head: vLLM's ``prompt_logprobs``, ``lmcompact/vllm/reconstruct.py``
     :func:`~lmcompact.vllm.reconstruct.store_surprisal_context`; transformers,
     :func:`lmcompact.hf.reconstruct.surprisal`). Names, numbers and other facts are
-    improbable tokens; boilerplate is not. A fact is a span, so the scores are first
-    averaged over ``smooth`` tokens (a dense stretch of surprising tokens beats one
-    odd token), then the local background (their mean over the ``background`` nearest
-    tokens) is subtracted, and the result is max-pooled over ``kernel_size`` (a kept
-    span keeps its neighbours whole); the first ``n_sink`` positions are always kept.
+    improbable tokens; boilerplate is not. The first ``warmup`` positions' surprisal is
+    scaled by ``position / warmup`` (see below). A fact is a span, so the scores are then
+    averaged over ``smooth`` tokens (a dense stretch of surprising tokens beats one odd
+    token), optionally minus their local background (the mean over the ``background``
+    nearest tokens), and max-pooled over ``kernel_size`` (a kept span keeps its
+    neighbours whole); the first ``n_sink`` positions are always kept.
 
-    Why the background: surprisal is high wherever the model lacks context, not only
-    where the text says something new: the first tokens of a document (nothing to
-    predict them from) and stretches of code or tables score high as a whole. Ranked
-    raw, such a stretch fills a chunk's budget and a fact in the same chunk is lost
-    (Gemma-3-270m, 2k ``multi_needle``: the opening 40-60 tokens of the first chunk
-    outranked the fact at depth 0.1 in 3 of 5 contexts). Ranked by how much a span
-    stands out from its surroundings, the inserted fact wins: a local contrast.
+    Why the warm-up: the first tokens of a document are improbable because the model has
+    nothing to predict them from yet, not because they say something new. Ranked raw,
+    they fill the first chunk's budget and a fact in that chunk is lost (Gemma-3-270m, 2k
+    ``multi_needle``: the opening 40-60 tokens outranked the fact at depth 0.1 in 3 of 5
+    contexts). The background does the same for every stretch that is uniformly
+    surprising (code, tables) by ranking a span by how much it stands out from its
+    surroundings; measured through vLLM it fixed Gemma 2k at 0.25 but lost two questions
+    at 0.5 on Gemma 4k, so it is off by default (``docs/eval/RESULTS.md``).
 
     Every (layer, head) gets the same scores, so all keep the same tokens: a number keeps
     all of its digits in every head.
@@ -60,6 +62,8 @@ class SelfInformation(ScorePolicy):
         background: Width of the moving mean subtracted after smoothing, odd (1: none;
             the mean counts only tokens inside the candidates, so a chunk's edges are
             not diluted by padding).
+        warmup: Positions (absolute, from the context's start) over which the surprisal
+            ramps up from 0 (0: none).
     """
 
     name = "self_info"
@@ -70,11 +74,14 @@ class SelfInformation(ScorePolicy):
     smooth: int = 7
     kernel_size: int = 31
     background: int = 1
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        for key in ("n_sink", "warmup"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
         for key in ("smooth", "kernel_size", "background"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1 or value % 2 == 0:
@@ -84,10 +91,13 @@ class SelfInformation(ScorePolicy):
         scores = inputs.layers[layer].context_scores
         assert scores is not None  # check_inputs ran
         raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
+        positions = inputs.positions_or_arange().to(scores.device)
+        if self.warmup:
+            raw = raw * (positions.double() / self.warmup).clamp(max=1.0)
         dense = pool_scores(raw, self.smooth, "avgpool")
         dense = dense - local_mean(dense, self.background)
         pooled = pool_scores(dense, self.kernel_size, "maxpool")
-        sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
+        sinks = positions < self.n_sink
         # pooling makes a peak's neighbours tie with it; the smoothed score breaks ties
         return (pooled + dense * 1e-6).masked_fill(sinks, float("inf"))
 

@@ -57,6 +57,28 @@ def test_background_ranks_a_span_by_how_much_it_stands_out() -> None:
     assert torch.equal(local_mean(scores.double(), 1), torch.zeros(1, 256, dtype=torch.float64))
 
 
+def test_warmup_discounts_the_opening_of_a_document() -> None:
+    """The opening tokens are surprising because nothing precedes them (6.0 on positions
+    0..39, falling under a raw ranking into the budget); a fact later in the chunk (4.0 on
+    100..104) is kept once the surprisal ramps up over the first 64 positions. Positions
+    are absolute: a later chunk (from 256 on) is not discounted."""
+    scores = torch.ones(1, 256)
+    scores[0, :40] = 6.0
+    scores[0, 100:105] = 4.0
+    params = {"budget": 16, "n_sink": 0, "smooth": 1, "kernel_size": 5}
+    raw = make_policy("self_info", **params).plan(_inputs(scores)).kept[0][0].tolist()
+    assert all(p < 40 for p in raw)
+    warm = make_policy("self_info", warmup=64, **params)
+    assert set(range(100, 105)) <= set(warm.plan(_inputs(scores)).kept[0][0].tolist())
+    later = CompactionInputs(
+        256,
+        1,
+        [LayerObservation(context_scores=scores)],
+        positions=torch.arange(256, 512)[None],
+    )
+    assert warm.plan(later).kept[0][0].tolist() == raw
+
+
 @pytest.mark.parametrize(
     ("params", "key"),
     [
@@ -65,6 +87,7 @@ def test_background_ranks_a_span_by_how_much_it_stands_out() -> None:
         ({"kernel_size": 2.0}, "kernel_size"),
         ({"n_sink": -1}, "n_sink"),
         ({"background": 64}, "background"),
+        ({"warmup": -1}, "warmup"),
     ],
 )
 def test_bad_params_name_the_key(params: dict[str, object], key: str) -> None:
