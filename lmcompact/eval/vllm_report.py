@@ -219,7 +219,9 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
     return paths
 
 
-ROW_ID = (*KEY, "sample", "question")
+ROW_ID = (*KEY, "sample", "question", "depth")
+"""One question of one cell: ``needle`` rows of a sample share ``question`` 0 (one context
+per depth), so the depth tells them apart."""
 
 
 def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:

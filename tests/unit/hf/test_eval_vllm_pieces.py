@@ -135,6 +135,17 @@ def test_merge_keeps_a_repeated_baseline_once(tmp_path: Path) -> None:
     }
 
 
+def test_merge_keeps_every_depth_of_a_needle_sample() -> None:
+    """``needle`` builds one context per depth, each asked question 0: all are rows."""
+    rows = [
+        {**_row("inplace", "snapkv", 0.25, 1.0), "task": "needle", "sample": 0, "question": 0}
+        | {"depth": depth}
+        for depth in (0.1, 0.5, 0.9)
+    ]
+    merged = vllm_report.merge([{"command": "a", "samples": rows}])
+    assert len(merged["samples"]) == 3 and merged["results"][0]["n"] == 3
+
+
 def test_relabel_renames_our_rows_before_the_merge(tmp_path: Path) -> None:
     """An old default's rows get an explicit label: they stay apart from a new run's rows of
     the same (sample, question), and kvpress's rows keep theirs."""
