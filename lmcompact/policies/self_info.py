@@ -42,10 +42,12 @@ class SelfInformation(ScorePolicy):
     nothing to predict them from yet, not because they say something new. Ranked raw,
     they fill the first chunk's budget and a fact in that chunk is lost (Gemma-3-270m, 2k
     ``multi_needle``: the opening 40-60 tokens outranked the fact at depth 0.1 in 3 of 5
-    contexts). The background does the same for every stretch that is uniformly
-    surprising (code, tables) by ranking a span by how much it stands out from its
-    surroundings; measured through vLLM it fixed Gemma 2k at 0.25 but lost two questions
-    at 0.5 on Gemma 4k, so it is off by default (``docs/eval/RESULTS.md``).
+    contexts, and 3 of its 15 questions were lost at budget 0.25; with ``warmup`` 64 none
+    more than the full cache's 2, ``docs/eval/RESULTS.md``). The background treats every
+    uniformly surprising stretch (code, tables) alike by ranking a span by how much it
+    stands out from its surroundings; through vLLM it fixed Gemma 2k at 0.25 too but lost
+    two questions at 0.5 on Gemma 4k and one at 0.25 on SmolLM2 4k, so it is off by
+    default.
 
     Every (layer, head) gets the same scores, so all keep the same tokens: a number keeps
     all of its digits in every head.
@@ -63,7 +65,7 @@ class SelfInformation(ScorePolicy):
             the mean counts only tokens inside the candidates, so a chunk's edges are
             not diluted by padding).
         warmup: Positions (absolute, from the context's start) over which the surprisal
-            ramps up from 0 (0: none).
+            ramps up from 0 (0: none; default 64, a quarter of a 256-token store chunk).
     """
 
     name = "self_info"
@@ -74,7 +76,7 @@ class SelfInformation(ScorePolicy):
     smooth: int = 7
     kernel_size: int = 31
     background: int = 1
-    warmup: int = 0
+    warmup: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -24,7 +24,7 @@ def test_a_dense_surprising_span_beats_one_spike() -> None:
     scores = torch.zeros(1, 64)
     scores[0, 10] = 5.0
     scores[0, 40:45] = 2.0
-    plan = make_policy("self_info", budget=9, n_sink=2, smooth=5, kernel_size=3).plan(
+    plan = make_policy("self_info", budget=9, n_sink=2, smooth=5, kernel_size=3, warmup=0).plan(
         _inputs(scores)
     )
     kept = plan.kept[0][0].tolist()
@@ -33,7 +33,7 @@ def test_a_dense_surprising_span_beats_one_spike() -> None:
     assert 10 not in kept
     assert plan.kept[1][0].tolist() == kept  # every layer keeps the same tokens
     # control: without smoothing the spike wins
-    spiky = make_policy("self_info", budget=3, n_sink=2, smooth=1, kernel_size=1)
+    spiky = make_policy("self_info", budget=3, n_sink=2, smooth=1, kernel_size=1, warmup=0)
     assert spiky.plan(_inputs(scores)).kept[0][0].tolist() == [0, 1, 10]
 
 
@@ -45,7 +45,7 @@ def test_background_ranks_a_span_by_how_much_it_stands_out() -> None:
     scores = torch.ones(1, 256)
     scores[0, :80] = 5.0
     scores[0, 150:155] = 4.0
-    params = {"budget": 16, "n_sink": 0, "smooth": 1, "kernel_size": 5}
+    params = {"budget": 16, "n_sink": 0, "smooth": 1, "kernel_size": 5, "warmup": 0}
     raw = make_policy("self_info", **params).plan(_inputs(scores)).kept[0][0].tolist()
     assert all(p < 80 for p in raw)
     contrast = make_policy("self_info", background=63, **params)
@@ -66,9 +66,10 @@ def test_warmup_discounts_the_opening_of_a_document() -> None:
     scores[0, :40] = 6.0
     scores[0, 100:105] = 4.0
     params = {"budget": 16, "n_sink": 0, "smooth": 1, "kernel_size": 5}
-    raw = make_policy("self_info", **params).plan(_inputs(scores)).kept[0][0].tolist()
+    raw = make_policy("self_info", warmup=0, **params).plan(_inputs(scores)).kept[0][0].tolist()
     assert all(p < 40 for p in raw)
-    warm = make_policy("self_info", warmup=64, **params)
+    warm = make_policy("self_info", **params)  # the default warm-up: 64 positions
+    assert warm.warmup == 64  # type: ignore[attr-defined]
     assert set(range(100, 105)) <= set(warm.plan(_inputs(scores)).kept[0][0].tolist())
     later = CompactionInputs(
         256,
