@@ -269,6 +269,17 @@ def relabel(payload: dict[str, Any], renames: dict[str, str]) -> list[str]:
     return notes
 
 
+def split_relabel(item: str) -> tuple[str, str]:
+    """``OLD=NEW`` at the first ``=`` outside parentheses (labels hold ``name(key=value)``);
+    ``("", "")`` when there is none."""
+    depth = 0
+    for index, char in enumerate(item):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "=" and depth == 0:
+            return item[:index], item[index + 1 :]
+    return "", ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lmcompact.eval.vllm_report --json OUT IN.json ...``: merge runs, write the
     JSON, the markdown table and the plots next to it. ``--relabel OLD=NEW`` renames our rows'
@@ -290,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     renames = {}
     for item in args.relabel:
-        old, sep, new = item.partition("=")
-        if not sep or not old or not new:
+        old, new = split_relabel(item)
+        if not old or not new:
             parser.error(f"--relabel takes OLD=NEW, got {item!r}")
         renames[old] = new
     inputs = [json.loads(Path(p).read_text()) for p in args.inputs]

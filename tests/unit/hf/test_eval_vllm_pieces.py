@@ -172,6 +172,8 @@ def test_relabel_renames_our_rows_before_the_merge(tmp_path: Path) -> None:
     assert merged["relabelled"] == ["relabelled 1 rows: snapkv -> snapkv(kernel_size=7)"]
     with pytest.raises(SystemExit):
         vllm_report.main([*paths, "--json", str(out), "--relabel", "snapkv"])
+    assert vllm_report.split_relabel("s(a=1)=s(a=1,b=2)") == ("s(a=1)", "s(a=1,b=2)")
+    assert vllm_report.split_relabel("s(a=1)") == ("", "")
 
 
 def test_save_mode_of_kvzip_uses_the_reconstruction_request() -> None:
