@@ -62,8 +62,9 @@ policy class's own (the paper's); ``policy_params`` override them key by key.
 snapkv's max-pool width is 15 here (SnapKV's paper and kvpress: 7). Measured through this
 connector (``lmcompact eval --engine vllm --tasks multi_needle``, budget 0.25, 15 questions
 per cell, ``docs/eval/RESULTS.md``): kernel 15 kept the full cache's accuracy in all 8 cells
-(SmolLM2-135M and Gemma-3-270m, 2k and 4k, ``compact_on: load`` and in place), kernel 7 lost
-a question in place on Gemma-3 at 2k and at 4k (a 5-digit answer with a digit dropped: a
+(SmolLM2-135M and Gemma-3-270m, 2k and 4k, ``compact_on: load`` and in place) and in the 3
+cells of the single-fact ``needle`` task in place; kernel 7 lost a question in place on
+Gemma-3 at 2k and at 4k and on Gemma's 2k needle (a 5-digit answer with a digit dropped: a
 pool of 7 around a peak inside the number does not cover the number and the words before
 it)."""
 
