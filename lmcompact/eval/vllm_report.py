@@ -219,19 +219,22 @@ def plot(summary: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str) ->
     return paths
 
 
-ROW_ID = (*KEY, "sample", "question", "depth")
+ROW_ID = (*KEY, "seed", "sample", "question", "depth")
 """One question of one cell: ``needle`` rows of a sample share ``question`` 0 (one context
-per depth), so the depth tells them apart."""
+per depth), so the depth tells them apart; runs with another ``--seed`` ask other contexts."""
 
 
 def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One payload from several runs' JSON (or earlier merges): their rows (a row already
     present, e.g. the same full-cache baseline in two runs, is kept once), summary and
-    commands."""
+    commands. A run's rows get its config's ``seed`` (0 when absent); the rows of every seed
+    count together in a cell."""
     seen: set[tuple[Any, ...]] = set()
     rows: list[dict[str, Any]] = []
     for payload in payloads:
+        seed = (payload.get("config") or {}).get("seed", 0)
         for row in payload["samples"]:
+            row = {"seed": seed, **row}
             key = tuple(row.get(k) for k in ROW_ID)
             if key in seen and row.get("task") is not None:
                 continue

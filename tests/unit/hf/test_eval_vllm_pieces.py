@@ -146,6 +146,17 @@ def test_merge_keeps_every_depth_of_a_needle_sample() -> None:
     assert len(merged["samples"]) == 3 and merged["results"][0]["n"] == 3
 
 
+def test_merge_counts_the_contexts_of_another_seed() -> None:
+    """Two runs with --seed 0 and 1 ask different contexts under the same sample index: both
+    count; a later merge of the merge keeps them apart too."""
+    row = {**_row("save", "self_info", 0.25, 1.0), "sample": 0, "question": 0, "depth": 0.1}
+    runs = [{"command": f"s{seed}", "config": {"seed": seed}, "samples": [row]} for seed in (0, 1)]
+    merged = vllm_report.merge(runs)
+    assert [r["seed"] for r in merged["samples"]] == [0, 1]
+    assert merged["results"][0]["n"] == 2
+    assert len(vllm_report.merge([merged, runs[1]])["samples"]) == 2
+
+
 def test_relabel_renames_our_rows_before_the_merge(tmp_path: Path) -> None:
     """An old default's rows get an explicit label: they stay apart from a new run's rows of
     the same (sample, question), and kvpress's rows keep theirs."""
