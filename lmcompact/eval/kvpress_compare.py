@@ -28,7 +28,13 @@ def method(label: str) -> str:
 
 
 def _answers(rows: Sequence[dict[str, Any]]) -> dict[tuple[Any, ...], float]:
-    return {(r["sample"], r["question"]): r["accuracy"] for r in rows if "accuracy" in r}
+    """Accuracy per question, identified as :data:`lmcompact.eval.vllm_report.ROW_ID` does
+    (seed, sample, question, depth: another seed asks other contexts)."""
+    return {
+        (r.get("seed", 0), r["sample"], r["question"], r.get("depth")): r["accuracy"]
+        for r in rows
+        if "accuracy" in r
+    }
 
 
 def side_by_side(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

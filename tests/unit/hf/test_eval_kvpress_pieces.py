@@ -117,6 +117,18 @@ def test_side_by_side_pairs_methods_on_common_questions_only() -> None:
     assert "| save / save | snapkv | " in table and "**no**" in table
 
 
+def test_side_by_side_never_pairs_another_seeds_context() -> None:
+    """Our rows of --seed 1 reuse sample indices of kvpress's seed-0 run: they are other
+    contexts, so only the seed-0 question pairs."""
+    rows = [
+        {**_row("vllm", "load", "snapkv", 0.5, 0, 0, 1.0), "seed": 0},
+        {**_row("vllm", "load", "snapkv", 0.5, 0, 0, 0.0), "seed": 1},
+        _row("kvpress", "load", "snapkv", 0.5, 0, 0, 1.0),
+    ]
+    (entry,) = kvpress_compare.side_by_side(rows)
+    assert (entry["n"], entry["ours"], entry["kvpress"]) == (1, 1.0, 1.0)
+
+
 def test_report_labels_kvpress_rows_and_never_flags_them(tmp_path: Path) -> None:
     rows = [
         _row("vllm", "none", "none", 1.0, 0, 0, 1.0),
