@@ -107,6 +107,26 @@ def test_stream_copier_to_device_batch():
         assert got.device.type == "cuda" and same_chunk(got, want)
 
 
+def test_put_many_batches_both_ways_and_waits_for_the_producer():
+    host = CPUTier(64 << 20, pin_memory=True)
+    device = GPUTier(64 << 20, "cuda")
+    chunks = [device_chunk(10 + i, fill=float(i + 1)) for i in range(4)]
+    items = [(KEYS[i], c) for i, c in enumerate(chunks)]
+    # a repeated key in one batch is stored once
+    assert host.put_many([*items, items[0]]) == [True] * 5
+    assert len(host) == 4 and host.metrics()["puts"] == 4
+    for i, _ in enumerate(chunks):
+        got = host.get(KEYS[i])  # waits on the batch's one event
+        assert got is not None and got.keys.is_pinned()
+        assert bool((got.keys == i + 1).all()) and bool((got.values == -(i + 1)).all())
+    pinned = [(KEYS[i], host.get(KEYS[i])) for i in range(4)]
+    assert device.put_many(pinned) == [True] * 4  # type: ignore[arg-type]
+    for i in range(4):
+        got = device.get(KEYS[i])
+        assert got is not None and got.device.type == "cuda"
+        assert bool((got.keys.cpu() == i + 1).all())
+
+
 def test_tiered_store_gpu_and_cpu_round_trip():
     cfg = StoreConfig(gpu_capacity_bytes=64 << 20, cpu_capacity_bytes=64 << 20)
     with TieredStore(NS, cfg) as store:
