@@ -146,8 +146,10 @@ class ConnectorConfig:
             default): the connector asks vLLM for piecewise graphs and cuts holes out of
             the attention metadata inside each attention call (checked on the H200).
             ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
-            the runner's input buffers (vLLM 0.26's V2 GPU runner; experimental: not yet
-            checked on a GPU, see docs/benchmarks/serve-h200.md).
+            the runner's input buffers (vLLM 0.26's V2 GPU runner; checked on the H200,
+            faster: docs/benchmarks/serve-h200.md). Not the default because vLLM asks for
+            the graph mode before the model is known: sliding-window models need piecewise
+            graphs (refused with a message); per-head counts and H2O decode get them.
         store: the ``"store"`` group (:class:`StoreOptions`).
         release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
     """
