@@ -43,6 +43,7 @@ from lmcompact.kernels import dispatch as kernels
 from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
 from lmcompact.store import ChunkKey, CompactedChunk
+from lmcompact.store.transfer import PendingCopy
 from lmcompact.vllm.kv_layout import PageLayout
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class SaveJob:
         context_scores: per layer ``(H, num_tokens)`` context scores computed elsewhere
             (a reconstruction pass, ``lmcompact/vllm/reconstruct.py``); they replace the
             scores of the captured sample. None: computed here from ``queries``.
+        copied: on CUDA, the side-stream copy that fills ``pages`` and ``queries`` (pinned
+            host tensors); :meth:`wait_for_copies` before reading them. None: they are
+            ready (the CPU engine's pages are host tensors already).
     """
 
     req_id: str
@@ -96,6 +100,13 @@ class SaveJob:
     window: int | None = None
     rope: Rope | None = None
     context_scores: list[torch.Tensor] | None = None
+    copied: PendingCopy | None = None
+
+    def wait_for_copies(self) -> None:
+        """Block until ``pages`` and ``queries`` hold their bytes (no-op when ready)."""
+        if self.copied is not None:
+            self.copied.wait()
+            self.copied = None
 
     @property
     def prompt_len(self) -> int:

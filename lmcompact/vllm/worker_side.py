@@ -35,6 +35,7 @@ import torch
 
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, TieredStore
+from lmcompact.store.transfer import CopierPool
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.kv_layout import PageLayout, make_layout
@@ -99,6 +100,7 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         self._recon: dict[str, ReconstructScores] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
         self._pending: list[Future[None]] = []
+        self._save_copiers = CopierPool()  # CUDA: page copies to the host on a side stream
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
