@@ -43,6 +43,8 @@ class ChunkSaving(WorkerState):
         first, last = spec.start // bs, (spec.start + spec.num_tokens + bs - 1) // bs
         index = torch.tensor(spec.block_ids[first:last], dtype=torch.int64)
         caches = list(self.kv_caches.values())
+        if caches[0].is_cuda:  # from pinned memory: the host does not wait for the forward
+            index = index.pin_memory().to(caches[0].device, non_blocking=True)
         gathered = [kv[index.to(kv.device)] for kv in caches]  # a copy of the pages
         window = self.window_queries(spec.req_id)
         self.forget_window(spec.req_id)
