@@ -102,6 +102,11 @@ class SaveJob:
     context_scores: list[torch.Tensor] | None = None
     copied: PendingCopy | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copies this job holds (pages and queries)."""
+        return sum(p.nbytes for p in self.pages) + sum(q.nbytes for q in self.queries or [])
+
     def wait_for_copies(self) -> None:
         """Block until ``pages`` and ``queries`` hold their bytes (no-op when ready)."""
         if self.copied is not None:

@@ -30,6 +30,7 @@ class ChunkSaving(WorkerState):
     policy: CompactionPolicy
     rope: Rope | None
     _pending: list[Future[None]]
+    _pending_bytes: int
     _save_copiers: CopierPool
     _recon: dict[str, ReconstructScores]
 
@@ -110,6 +111,39 @@ class ChunkSaving(WorkerState):
         return [
             torch.zeros(h, spec.num_tokens) if s is None else s[:h, span] for s in recon.per_layer()
         ]
+
+    def _backlog_full(self, spec: SaveSpec) -> bool:
+        """Whether queuing ``spec``'s page copy would pass ``store.max_pending_save_mb``;
+        then the save is skipped, counted, warned about and reported unsaved."""
+        bs = self.facts.block_size
+        blocks = (spec.start % bs + spec.num_tokens + bs - 1) // bs
+        page_bytes = sum(kv[0].nbytes for kv in self.kv_caches.values())
+        limit = self.config.store.max_pending_save_mb << 20
+        with self._lock:
+            if self._pending_bytes == 0 or self._pending_bytes + blocks * page_bytes <= limit:
+                return False  # one save always fits (its copy is the forward's own size)
+            self._report.save_failed.update(self.slice_keys(spec.keys))
+            self.stats["saves_skipped"] += 1
+            skipped = self.stats["saves_skipped"]
+        if skipped == 1 or skipped % 100 == 0:
+            logger.warning(
+                "skipped saving %s: %.0f MiB of page copies already wait for compaction "
+                "(store.max_pending_save_mb %d); %d saves skipped so far, their prompts "
+                "are recomputed when repeated",
+                spec.req_id,
+                self._pending_bytes / 2**20,
+                self.config.store.max_pending_save_mb,
+                skipped,
+            )
+        return True
+
+    def _run_queued(self, job: SaveJob) -> None:
+        """:meth:`_run_job` on the background thread; its page copies leave the backlog."""
+        try:
+            self._run_job(job)
+        finally:
+            with self._lock:
+                self._pending_bytes -= job.nbytes
 
     def _run_job(self, job: SaveJob) -> None:
         try:
