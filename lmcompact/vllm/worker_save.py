@@ -16,7 +16,7 @@ from lmcompact.attention.rope import Rope
 from lmcompact.policies import CompactionPolicy
 from lmcompact.store.transfer import CopierPool, PendingCopy
 from lmcompact.vllm import vllm_shim as shim
-from lmcompact.vllm.compaction import SaveJob, compact_job, full_nbytes
+from lmcompact.vllm.compaction import SaveJob, compact_job, full_nbytes, window_masses
 from lmcompact.vllm.metadata import SaveSpec
 from lmcompact.vllm.reconstruct import ReconstructScores
 from lmcompact.vllm.worker_state import WorkerState
@@ -58,24 +58,28 @@ class ChunkSaving(WorkerState):
             context_scores = [given.expand(self.facts.num_kv_heads, -1) for _ in caches]
         elif window is not None:
             window_queries = [q.float() for q in window[0]]
-        host, copied = self._to_host([*gathered, *window_queries])
-        pages, queries = host[: len(caches)], host[len(caches) :]
         use_window = window is not None and context_scores is None
         first_layer = next(iter(self.layers.values()))
-        return SaveJob(
+        job = SaveJob(
             spec.req_id,
             self.slice_keys(spec.keys),
             spec.start,
             spec.num_tokens,
-            pages,
-            queries if use_window else None,
+            gathered,
+            window_queries if use_window else None,
             torch.tensor(window[1], dtype=torch.int64) if window and use_window else None,
             shim.attention_scale(first_layer),
             window=self.config.window,
             rope=self.rope,
             context_scores=context_scores,
-            copied=copied,
         )
+        # on the GPU the window scores cost milliseconds there and seconds on the host
+        masses = window_masses(job, self.layout, self.policy) if caches[0].is_cuda else None
+        n, q = len(gathered), len(window_queries)
+        host, job.copied = self._to_host([*gathered, *window_queries, *(masses or [])])
+        job.pages, job.queries = host[:n], host[n : n + q] if job.queries is not None else None
+        job.window_mass = host[n + q :] if masses is not None else None
+        return job
 
     def _to_host(
         self, tensors: list[torch.Tensor]

@@ -48,3 +48,42 @@ def test_save_copies_do_not_stall_and_job_waits_for_them() -> None:
         assert bool((host[0] == 2.5).all()) and bool((host[1] == 2.5).all())
         assert host[2] is host_query  # host tensors are passed through
         kv.zero_()
+
+
+def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
+    """The save path computes window scores on the GPU (Triton kernel, bf16 inputs) at
+    copy time; they agree with the float32 host reference the job would compute."""
+    from lmcompact.policies import make_policy
+    from lmcompact.vllm.compaction import window_masses
+    from lmcompact.vllm.kv_layout import make_layout
+
+    torch.manual_seed(0)
+    bs, h, d, t, w = 32, 4, 128, 1024, 32
+    layout = make_layout("token_major", bs)
+    pages = [
+        layout.tokens_to_pages(torch.randn(h, t, d), torch.randn(h, t, d)).to(torch.bfloat16)
+        for _ in range(2)
+    ]
+    queries = [torch.randn(w, 2 * h, d) for _ in range(2)]
+    positions = torch.arange(t - w, t)
+    policy = make_policy("snapkv", budget=0.25)
+
+    def job(device: str) -> SaveJob:
+        return SaveJob(
+            "r",
+            [],
+            0,
+            t,
+            [p.to(device) for p in pages],
+            [q.to(device) for q in queries],
+            positions,
+            d**-0.5,
+            window=w,
+        )
+
+    on_gpu = window_masses(job("cuda"), layout, policy)
+    on_host = window_masses(job("cpu"), layout, policy)
+    assert on_gpu is not None and on_host is not None
+    for got, want in zip(on_gpu, on_host, strict=True):
+        assert got.is_cuda and got.shape == want.shape == (h, t)
+        torch.testing.assert_close(got.cpu(), want, rtol=3e-2, atol=1e-3)
