@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
-from lmcompact.vllm.memory.scheduler_side import PackJob
+from lmcompact.vllm.memory.scheduler_state import PackJob
 from lmcompact.vllm.metadata import StepMetadata, WorkerReport
 
 
