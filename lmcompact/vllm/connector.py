@@ -145,6 +145,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         # an adopted store-load hole goes back only once the worker wrote the load, a
         # packed prompt's hole (tensor parallel) once every rank packed it
         self.memory_scheduler.held_back = self._held_back
+        self.memory_scheduler.load_hole = self.scheduler_half.load_hole
 
     def _log_start(self, role: Any) -> None:
         store = self.config.store

@@ -168,6 +168,12 @@ class SchedulerHalf(StoreLookup, SavePlanning):
                 req_id=sched.req_id,
             )
 
+    def load_hole(self, req_id: str) -> Hole | None:
+        """The hole of ``req_id``'s packed store load (None: none, or not compacted); the
+        release group adopts it, so its blocks go back to vLLM's pool."""
+        tracked = self._requests.get(req_id)
+        return None if tracked is None else tracked.hole
+
     def load_unconfirmed(self, req_id: str) -> bool:
         """True while a load of ``req_id`` was sent and the worker has not confirmed it
         (its hole blocks must stay held: a failed load is recomputed into them)."""

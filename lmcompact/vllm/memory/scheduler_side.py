@@ -98,6 +98,9 @@ class MemoryScheduler(GrowthReserve):
         self._freed: dict[str, int] = {}
         self.stats = MemoryStats()
         self.held_back: Callable[[str], bool] = lambda req_id: False
+        # the hole of a packed store load the store half opened for a request (None: none);
+        # it is adopted, so its blocks go back to the pool
+        self.load_hole: Callable[[str], Hole | None] = lambda req_id: None
         # with vLLM's prefix caching: the guard keeping compacted blocks unhashed, and per
         # request the leading blocks vLLM's cache served it (never rewritten by a pack)
         self.guard: PrefixCacheGuard | None = None
@@ -268,7 +271,7 @@ class MemoryScheduler(GrowthReserve):
                 self._hit_blocks[sched.req_id] = hit // self.block_size
             first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = _hole_of_row(meta, blocks)
+            foreign = self.load_hole(sched.req_id)
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
                     sched.req_id,
@@ -364,16 +367,6 @@ class MemoryScheduler(GrowthReserve):
         positions = list(range(window_lo, window_hi))
         slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
         meta.captures.append(CaptureSpec(req_id, slots, positions))
-
-
-def _hole_of_row(meta: StepMetadata, row: list[Any]) -> Hole | None:
-    """The hole another component put into ``meta`` for the request whose blocks are
-    ``row`` (matched by its key column), or None."""
-    for key, hole in meta.holes.items():
-        column = hole.key_column
-        if column < len(row) and not row[column].is_null and row[column].block_id == key:
-            return hole
-    return None
 
 
 def needs_scores(policy: Any) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcompact.vllm.holes import Hole
 from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
 from lmcompact.vllm.memory.planner import HolePlanner
@@ -73,6 +74,7 @@ class MemorySchedulerState:
     _freed: dict[str, int]
     stats: MemoryStats
     held_back: Callable[[str], bool]
+    load_hole: Callable[[str], Hole | None]
     guard: PrefixCacheGuard | None
     _hit_blocks: dict[str, int]
 
