@@ -68,6 +68,7 @@ from lmcompact.bench.hf_beam_runs import (
     profile_decode,
     sdpa_backends,
 )
+from lmcompact.bench.shapes import LLAMA_SHAPES
 from lmcompact.cli._output import format_table, write_json
 
 NAME = "hf-beam"
@@ -78,32 +79,9 @@ __all__ = ["CONFIGS", "GOALS", "add_arguments", "run"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 SHAPES: dict[str, dict[str, Any]] = {
-    # Llama-3.2-1B: 16 layers, 32 q / 8 kv heads, head_dim 64
-    "1b": {
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": True,
-    },
-    # Llama-3-8B: 32 layers, 32 q / 8 kv heads, head_dim 128
-    "8b": {
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-    },
+    "1b": LLAMA_SHAPES["1b"],
+    # the 8B shape's trained context, enough for these prompts
+    "8b": {**LLAMA_SHAPES["8b"], "max_position_embeddings": 8192},
 }
 
 

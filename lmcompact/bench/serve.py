@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcompact.bench.child import child_main
+from lmcompact.bench.shapes import LLAMA_SHAPES
 from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
 from lmcompact.cli._output import format_table
 
@@ -41,20 +42,11 @@ SHAPES = {
     "llama3-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 131072,
+        **LLAMA_SHAPES["8b"],
         "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
         "hidden_act": "silu",
         "bos_token_id": 128000,
         "eos_token_id": 128001,
-        "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
 }

@@ -3,12 +3,13 @@
 Per budget, the same chunks are moved both ways, each path against its baseline in the
 same round:
 
-* ``d2h``: the save path, ``CPUTier.put`` of device chunks (side-stream copies into pinned
-  buffers) then ``get`` (which waits on each copy's event), against ``raw_d2h``: one
+* ``d2h``: the save path, ``CPUTier.put_many`` of device chunks (side-stream copies into
+  pinned buffers, one event per batch) then ``get_many`` (which waits on it), against
+  ``raw_d2h``: one
   ``non_blocking`` copy per chunk of the same bytes from a device buffer into a pinned
   buffer, then a device synchronize;
-* ``h2d``: the load path, ``GPUTier.put`` of pinned chunks (side-stream copies) then
-  ``get`` and a device synchronize, against ``raw_h2d``, the plain copies the other way.
+* ``h2d``: the load path, ``GPUTier.put_many`` of pinned chunks (side-stream copies) then
+  ``get_many`` and a device synchronize, against ``raw_h2d``, the plain copies the other way.
 
 Fractions: ``d2h_vs_raw`` / ``h2d_vs_raw`` (median baseline time / median store time:
 how close the store gets to what the link does with plain copies), and ``d2h_vs_memcpy`` /
@@ -78,20 +79,17 @@ class CudaCase:
         torch.cuda.synchronize(self.device)
 
     def _d2h(self) -> None:
-        for k, c in zip(self.keys, self.dev_chunks, strict=True):
-            if not self.pinned_tier.put(k, c):
-                raise RuntimeError("pinned CPU tier refused a put")
-        for k in self.keys:  # each get waits on its copy's event
-            if self.pinned_tier.get(k) is None:
-                raise RuntimeError("pinned CPU tier lost an entry")
+        # the connector's save path: one put_many per request's chunks, then reads
+        if not all(self.pinned_tier.put_many(list(zip(self.keys, self.dev_chunks, strict=True)))):
+            raise RuntimeError("pinned CPU tier refused a put")
+        if any(c is None for c in self.pinned_tier.get_many(self.keys)):  # waits on the event
+            raise RuntimeError("pinned CPU tier lost an entry")
 
     def _h2d(self) -> None:
-        for k, c in zip(self.keys, self.pin_chunks, strict=True):
-            if not self.gpu_tier.put(k, c):
-                raise RuntimeError("GPU tier refused a put")
-        for k in self.keys:
-            if self.gpu_tier.get(k) is None:
-                raise RuntimeError("GPU tier lost an entry")
+        if not all(self.gpu_tier.put_many(list(zip(self.keys, self.pin_chunks, strict=True)))):
+            raise RuntimeError("GPU tier refused a put")
+        if any(c is None for c in self.gpu_tier.get_many(self.keys)):
+            raise RuntimeError("GPU tier lost an entry")
         torch.cuda.synchronize(self.device)
 
     def _reset(self, tier: CPUTier | GPUTier) -> Callable[[], None]:

@@ -106,31 +106,54 @@ class StreamCopier:
             The chunk viewing ``buffer`` (not readable before the pending copy's
             :meth:`PendingCopy.wait`) and the pending copy.
         """
-        if not needs_stream_copy(chunk.device, buffer.device):
-            raise ValueError(
-                f"a stream copy goes between host and CUDA, got {chunk.device} -> {buffer.device}"
-            )
+        stored, pending = self.pack_many([chunk], [buffer])
+        return stored[0], pending
+
+    def pack_many(
+        self, chunks: Sequence[CompactedChunk], buffers: Sequence[torch.Tensor]
+    ) -> tuple[list[CompactedChunk], PendingCopy]:
+        """:meth:`pack_into` for a batch: one stream hand-off and one event for all copies
+        (the per-copy fixed cost, not the bytes, bounds a batch of small chunks).
+
+        Raises:
+            ValueError: a pair that does not cross host and CUDA, or buffers on more than
+                one device.
+        """
+        if len({b.device for b in buffers}) > 1 or len(chunks) != len(buffers):
+            raise ValueError("pack_many needs one buffer per chunk, all on one device")
+        for chunk, buffer in zip(chunks, buffers, strict=True):
+            if not needs_stream_copy(chunk.device, buffer.device):
+                raise ValueError(
+                    "a stream copy goes between host and CUDA, "
+                    f"got {chunk.device} -> {buffer.device}"
+                )
+        stored: list[CompactedChunk] = []
+        sources: list[torch.Tensor] = []
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for chunk, buffer in zip(chunks, buffers, strict=True):
+                stored.append(self._queue_pack(chunk, buffer))
+                sources += (chunk.positions, chunk.keys, chunk.values)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return stored, PendingCopy(event, buffers[0].device, tuple(sources))
+
+    def _queue_pack(self, chunk: CompactedChunk, buffer: torch.Tensor) -> CompactedChunk:
+        """Queue one chunk's copy on the side stream (the caller made it current)."""
         dst = unpack_views(
             buffer, chunk.total_kept, chunk.keys.shape[1], chunk.values.shape[1], chunk.dtype
         )
         src = (chunk.positions, chunk.keys, chunk.values)
         span = packed_span(chunk)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            if span is not None:  # one copy of the whole packed payload
-                buffer.copy_(span, non_blocking=True)
-            else:
-                for d, s in zip(dst, src, strict=True):
-                    d.copy_(s, non_blocking=True)
-            for t in (*src, buffer):
-                if t.is_cuda:  # allocated on another stream, used on this one
-                    t.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        stored = CompactedChunk._trusted(
-            dst[1], dst[2], chunk.kept_counts, dst[0], chunk.num_tokens
-        )
-        return stored, PendingCopy(event, buffer.device, src)
+        if span is not None:  # one copy of the whole packed payload
+            buffer.copy_(span, non_blocking=True)
+        else:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s, non_blocking=True)
+        for t in (*src, buffer):
+            if t.is_cuda:  # allocated on another stream, used on this one
+                t.record_stream(self.stream)
+        return CompactedChunk._trusted(dst[1], dst[2], chunk.kept_counts, dst[0], chunk.num_tokens)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], PendingCopy]:
         """Queue copies of tensors on this device into fresh pinned host tensors.
@@ -166,20 +189,14 @@ class StreamCopier:
             The device chunks and one pending copy for all of them: call its
             :meth:`PendingCopy.wait` on the stream that will read them.
         """
-        out: list[CompactedChunk] = []
-        sources: list[torch.Tensor] = []
-        pending: PendingCopy | None = None
-        for chunk in chunks:
-            buf = torch.empty(chunk.payload_nbytes, dtype=torch.uint8, device=self.device)
-            stored, pending = self.pack_into(chunk, buf)
-            out.append(stored)
-            sources += pending.sources
-        if pending is None:  # nothing to copy: an event that is already complete
+        if not chunks:  # nothing to copy: an event that is already complete
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            return out, PendingCopy(event, self.device)
-        # the side stream runs copies in order: the last event covers all of them
-        return out, PendingCopy(pending.event, self.device, tuple(sources))
+            return [], PendingCopy(event, self.device)
+        buffers = [
+            torch.empty(c.payload_nbytes, dtype=torch.uint8, device=self.device) for c in chunks
+        ]
+        return self.pack_many(chunks, buffers)
 
 
 class CopierPool:

@@ -31,34 +31,40 @@ positions (``start + i``), so sinks are the prompt's first tokens, not each chun
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores, window_scores
 from lmcompact.kernels import dispatch as kernels
-from lmcompact.plan import KeepPlan
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
 from lmcompact.store import ChunkKey, CompactedChunk
+from lmcompact.store.transfer import PendingCopy
+from lmcompact.vllm.chunks import (
+    EngineShape,
+    build_chunk,
+    chunk_problem,
+    full_nbytes,
+    uniform_keep,
+)
 from lmcompact.vllm.kv_layout import PageLayout
 
 logger = logging.getLogger(__name__)
 
-
-class EngineShape(Protocol):
-    """The engine facts a stored chunk must match (``vllm_shim.EngineFacts`` has them)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
+__all__ = [
+    "SCORE_NEEDS",
+    "EngineShape",
+    "SaveJob",
+    "build_chunk",
+    "chunk_problem",
+    "compact_job",
+    "full_nbytes",
+    "observe_context",
+    "observe_layer",
+    "uniform_keep",
+    "window_masses",
+]
 
 
 SCORE_NEEDS = Need.WINDOW_SCORES | Need.WINDOW_ATTENTION
@@ -83,6 +89,11 @@ class SaveJob:
         context_scores: per layer ``(H, num_tokens)`` context scores computed elsewhere
             (a reconstruction pass, ``lmcompact/vllm/reconstruct.py``); they replace the
             scores of the captured sample. None: computed here from ``queries``.
+        copied: on CUDA, the side-stream copy that fills ``pages`` and ``queries`` (pinned
+            host tensors); :meth:`wait_for_copies` before reading them. None: they are
+            ready (the CPU engine's pages are host tensors already).
+        window_mass: per layer ``(H, num_tokens)`` window scores computed where the pages
+            were (:func:`window_masses`, on the GPU at copy time); None: computed here.
     """
 
     req_id: str
@@ -96,6 +107,20 @@ class SaveJob:
     window: int | None = None
     rope: Rope | None = None
     context_scores: list[torch.Tensor] | None = None
+    copied: PendingCopy | None = None
+    window_mass: list[torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copies this job holds (pages, queries, window scores)."""
+        tensors = [*self.pages, *(self.queries or []), *(self.window_mass or [])]
+        return sum(t.nbytes for t in tensors)
+
+    def wait_for_copies(self) -> None:
+        """Block until ``pages`` and ``queries`` hold their bytes (no-op when ready)."""
+        if self.copied is not None:
+            self.copied.wait()
+            self.copied = None
 
     @property
     def prompt_len(self) -> int:
@@ -115,24 +140,6 @@ class SaveJob:
         if sampled is not None:
             context = torch.nonzero(torch.isin(positions, sampled)).flatten()
         return window, context
-
-
-def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """Make one head's kept positions exactly ``count`` long (sorted, unique).
-
-    A head that kept fewer gets the most recent unkept tokens; one that kept more keeps
-    its first ``count // 2`` and last ``count - count // 2`` choices.
-    """
-    n = positions.numel()
-    if n == count:
-        return positions
-    if n > count:
-        head = count // 2
-        return torch.cat([positions[:head], positions[n - (count - head) :]])
-    mask = torch.ones(length, dtype=torch.bool)
-    mask[positions] = False
-    extra = torch.nonzero(mask).flatten()[-(count - n) :]
-    return torch.sort(torch.cat([positions, extra])).values
 
 
 def observe_layer(
@@ -174,6 +181,36 @@ def observe_layer(
         return_attention=bool(needs & Need.WINDOW_ATTENTION),
     )
     return mass[0], None if rows is None else rows[0]
+
+
+def window_masses(
+    job: SaveJob, layout: PageLayout, policy: CompactionPolicy
+) -> list[torch.Tensor] | None:
+    """Per layer ``(H, num_tokens)`` float32 window scores of ``job``, computed where its
+    pages are (on CUDA: the Triton kernel, a few ms for a 16k prompt, against seconds of
+    host time in :func:`compact_job`); None when the policy needs no window scores, or
+    needs the window's per-query rows too (those stay with :func:`compact_job`)."""
+    needs = policy.needs
+    if Need.WINDOW_SCORES not in needs or Need.WINDOW_ATTENTION in needs:
+        return None
+    if job.queries is None or job.query_positions is None:
+        return None
+    window, _ = job.rows(policy)
+    if window is None or window.numel() == 0:
+        return None
+    positions = job.query_positions[window]
+    masses: list[torch.Tensor] = []
+    for pages, queries in zip(job.pages, job.queries, strict=True):
+        keys, values = layout.pages_to_tokens(pages)
+        n = job.num_tokens
+        rows = queries[window.to(queries.device)]
+        mass, _ = observe_layer(
+            keys[:, :n], values[:, :n], rows, positions, job.start, Need.WINDOW_SCORES, job.scale
+        )
+        if mass is None:
+            return None
+        masses.append(mass.float())
+    return masses
 
 
 def observe_context(
@@ -238,9 +275,14 @@ def compact_job(
         per_layer.append((keys, values))
         queries = None if job.queries is None else job.queries[index]
         window_queries = None if queries is None or window is None else queries[window]
-        mass, rows = observe_layer(
-            keys, values, window_queries, window_positions, job.start, policy.needs, job.scale
-        )
+        mass: torch.Tensor | None
+        rows: torch.Tensor | None
+        if job.window_mass is not None:
+            mass, rows = job.window_mass[index], None
+        else:
+            mass, rows = observe_layer(
+                keys, values, window_queries, window_positions, job.start, policy.needs, job.scale
+            )
         observations.append(
             LayerObservation(
                 window_scores=mass,
@@ -292,81 +334,3 @@ def compact_job(
             plan = plan.with_recent(recent_layers, kept_per_chunk)
         out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))
     return out
-
-
-def build_chunk(
-    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    lo: int,
-    chunk_size: int,
-    plan: KeepPlan | None,
-    kept: int,
-    store_dtype: torch.dtype | None,
-) -> CompactedChunk:
-    """Gather kept rows of tokens ``[lo, lo + chunk_size)`` into a :class:`CompactedChunk`.
-
-    Rows are (layer, head)-major, kept tokens in original order; ``plan`` None keeps all.
-    """
-    keys_out: list[torch.Tensor] = []
-    values_out: list[torch.Tensor] = []
-    positions_out: list[torch.Tensor] = []
-    for layer, (k, v) in enumerate(per_layer):
-        for head in range(k.shape[0]):
-            if plan is None:
-                idx = torch.arange(chunk_size)
-            else:
-                idx = uniform_keep(plan.kept[layer][head], kept, chunk_size)
-            keys_out.append(k[head, lo + idx])
-            values_out.append(v[head, lo + idx])
-            positions_out.append(idx.to(torch.int32))
-    keys = torch.cat(keys_out)
-    values = torch.cat(values_out)
-    if store_dtype is not None:
-        keys, values = keys.to(store_dtype), values.to(store_dtype)
-    counts = torch.full((len(per_layer), per_layer[0][0].shape[0]), kept, dtype=torch.int32)
-    return CompactedChunk(
-        keys=keys.contiguous(),
-        values=values.contiguous(),
-        kept_counts=counts,
-        positions=torch.cat(positions_out),
-        num_tokens=chunk_size,
-    )
-
-
-def chunk_problem(
-    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int
-) -> str | None:
-    """Why a stored ``chunk`` cannot be loaded into this engine, or None.
-
-    The codec already refused damaged bytes and foreign formats; this checks that a valid
-    chunk fits: layers, heads, head size, dtype, chunk length and kept count.
-    """
-    expected = (
-        facts.num_layers,
-        facts.num_kv_heads,
-        facts.head_dim,
-        facts.head_dim,
-        facts.dtype,
-        chunk_size,
-        kept,
-    )
-    got = (
-        chunk.num_layers,
-        chunk.num_kv_heads,
-        chunk.keys.shape[1],
-        chunk.values.shape[1],
-        chunk.dtype,
-        chunk.num_tokens,
-        chunk.uniform_count(),
-    )
-    if got != expected:
-        return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"
-    pos = chunk.positions
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= chunk.num_tokens):
-        return "holding positions outside the chunk"
-    return None
-
-
-def full_nbytes(chunk: CompactedChunk, head_dim: int) -> int:
-    """Bytes of K and V the chunk would hold uncompacted (every token of every head)."""
-    rows = chunk.num_layers * chunk.num_kv_heads * chunk.num_tokens
-    return rows * 2 * head_dim * chunk.keys.element_size()

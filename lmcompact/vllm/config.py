@@ -95,6 +95,11 @@ class StoreOptions:
         load: serve stored prefixes to new requests.
         async_save: compact and store on a background thread (the forward pass only waits
             for a page copy); False does it inline (deterministic, slower).
+        max_pending_save_mb: most MiB of page copies waiting for the background thread;
+            a save that would pass it is skipped (counted in ``saves_skipped``, warned
+            about, its chunks reported unsaved: a later request recomputes them) rather
+            than letting host memory grow without bound when prompts arrive faster than
+            they are compacted.
         model_id: name that enters the store namespace; None uses the engine's model path.
         compact_on: when the policy runs on a stored prefix. ``"save"``: chunks are compacted
             when they are saved (the observation window is the end of the saving prompt) and
@@ -115,6 +120,7 @@ class StoreOptions:
     save: bool = option(True, boolean())
     load: bool = option(True, boolean())
     async_save: bool = option(True, boolean())
+    max_pending_save_mb: int = option(8192, integer(1))
     model_id: str | None = option(None, text(nullable=True))
     compact_on: str = option("save", choice(COMPACT_ON))
 
@@ -160,8 +166,10 @@ class ConnectorConfig:
             default): the connector asks vLLM for piecewise graphs and cuts holes out of
             the attention metadata inside each attention call (checked on the H200).
             ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
-            the runner's input buffers (vLLM 0.26's V2 GPU runner; experimental: not yet
-            checked on a GPU, see docs/benchmarks/serve-h200.md).
+            the runner's input buffers (vLLM 0.26's V2 GPU runner; checked on the H200,
+            faster: docs/benchmarks/serve-h200.md). Not the default because vLLM asks for
+            the graph mode before the model is known: sliding-window models need piecewise
+            graphs (refused with a message); per-head counts and H2O decode get them.
         store: the ``"store"`` group (:class:`StoreOptions`).
         release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
     """

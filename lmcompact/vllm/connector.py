@@ -19,9 +19,11 @@ combination works. Each role composes its halves:
 * worker: :class:`lmcompact.vllm.worker_side.WorkerHalf` (loads, captures, saves, hole cuts)
   and, with ``release``, :class:`lmcompact.vllm.memory.release_worker.ReleaseWorker` (packs).
 
-The halves talk only through :class:`LMCompactMetadata` (ids and block numbers, never KV)
-and :class:`LMCompactWorkerMetadata`. ``LMCompactMemoryConnector`` is the old name of this
-class with ``release`` on by default.
+The halves talk only through :class:`~lmcompact.vllm.envelopes.LMCompactMetadata` (ids and
+block numbers, never KV) and :class:`~lmcompact.vllm.envelopes.LMCompactWorkerMetadata`
+(both importable from here too); each rank's store namespace comes from
+:func:`lmcompact.vllm.store_registry.build_namespace`. ``LMCompactMemoryConnector`` is the
+old name of this class with ``release`` on by default.
 """
 
 from __future__ import annotations
@@ -31,83 +33,33 @@ from typing import Any
 
 import torch
 
-from lmcompact.store import ChunkKeyer, StoreNamespace, TieredStore
+from lmcompact.store import ChunkKeyer, TieredStore
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.engine_checks import validate_against_engine
+from lmcompact.vllm.envelopes import LMCompactMetadata, LMCompactWorkerMetadata
 from lmcompact.vllm.memory.blocks import PrefixCacheGuard
-from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores, MergeJob
+from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores
 from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 from lmcompact.vllm.memory.planner import HolePlanner
 from lmcompact.vllm.memory.rank_packs import RankPacks
 from lmcompact.vllm.memory.release import make_planner, refuse_under_tensor_parallel
 from lmcompact.vllm.memory.release_worker import ReleaseWorker
-from lmcompact.vllm.memory.scheduler_side import MemoryScheduler, PackJob, needs_scores
-from lmcompact.vllm.metadata import StepMetadata, WorkerReport
+from lmcompact.vllm.memory.scheduler_side import MemoryScheduler, needs_scores
 from lmcompact.vllm.scheduler_side import SchedulerHalf
-from lmcompact.vllm.store_registry import STORES
+from lmcompact.vllm.store_registry import STORE_LAYOUT, STORES, build_namespace
 from lmcompact.vllm.worker_side import WorkerHalf
 
 logger = logging.getLogger(__name__)
 
-STORE_LAYOUT = "lmcompact-rows-v1"
-"""Stored chunks are per-head rows, independent of any engine page layout."""
-
-
-class LMCompactMetadata(shim.KVConnectorMetadata):  # type: ignore[misc]
-    """vLLM-typed envelope of one step's plan: the store path's :class:`StepMetadata`, and
-    the release group's entries: this step's in-place packs, the requests whose blocks
-    vLLM took back since the last step (the worker drops their per-head counts and H2O
-    scores), and H2O decode: merges to run before the forward pass and the requests whose
-    decode attention is scored (first block -> request id)."""
-
-    def __init__(
-        self,
-        step: StepMetadata,
-        packs: list[PackJob] | None = None,
-        forgotten: set[str] | None = None,
-        merges: list[MergeJob] | None = None,
-        scored: dict[int, str] | None = None,
-    ) -> None:
-        self.step = step
-        self.packs = packs or []
-        self.forgotten = forgotten or set()
-        self.merges = merges or []
-        self.scored = scored or {}
-
-
-class LMCompactWorkerMetadata(shim.KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """vLLM-typed envelope of one :class:`WorkerReport` (worker -> scheduler)."""
-
-    def __init__(self, report: WorkerReport) -> None:
-        self.report = report
-
-    def aggregate(self, other: Any) -> LMCompactWorkerMetadata:
-        # under tensor parallelism every rank reports the step: a union is exact, because
-        # each rank reports its own slice keys (ChunkKey.for_rank) and its rank with packs
-        if isinstance(other, LMCompactWorkerMetadata):
-            self.report.merge(other.report)
-        return self
-
-
-def build_namespace(
-    config: ConnectorConfig, facts: shim.EngineFacts, tp_rank: int = 0
-) -> StoreNamespace:
-    """The store namespace of ``tp_rank``'s slices (rank 0's also derives the chunk keys)."""
-    params = config.namespace_params()
-    if config.store_compacts and facts.sliding_window is not None:
-        # sliding-window layers store each chunk's most recent rows (lmcompact/vllm/holes.py);
-        # chunks stored before that must not load as if they did
-        params["sliding_rows"] = "recent"
-    return StoreNamespace(
-        model_id=config.store.model_id or facts.model_id,
-        kv_dtype=str(facts.dtype).removeprefix("torch."),
-        kv_layout=STORE_LAYOUT,
-        tp_rank=tp_rank,
-        tp_world_size=facts.tp_size,
-        policy_name=config.store_policy_name,
-        policy_params=params,
-    )
+__all__ = [
+    "STORE_LAYOUT",
+    "LMCompactConnector",
+    "LMCompactMemoryConnector",
+    "LMCompactMetadata",
+    "LMCompactWorkerMetadata",
+    "build_namespace",
+]
 
 
 class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
@@ -193,6 +145,7 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         # an adopted store-load hole goes back only once the worker wrote the load, a
         # packed prompt's hole (tensor parallel) once every rank packed it
         self.memory_scheduler.held_back = self._held_back
+        self.memory_scheduler.load_hole = self.scheduler_half.load_hole
 
     def _log_start(self, role: Any) -> None:
         store = self.config.store

@@ -29,8 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
+BlockIds = Sequence[int] | torch.Tensor
+"""A block table row: host ints, or an int64 tensor already on the cache's device (callers
+that touch every layer build it once instead of once per layer)."""
 
-def _block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+
+def _block_index(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        return block_ids.to(device=device, dtype=torch.int64)
     return torch.as_tensor(list(block_ids), dtype=torch.int64, device=device)
 
 
@@ -75,7 +81,7 @@ class PageLayout(ABC):
 
     # ------------------------------------------------------------------ helpers
     def read(
-        self, kv_layer: torch.Tensor, block_ids: Sequence[int], start: int, count: int
+        self, kv_layer: torch.Tensor, block_ids: BlockIds, start: int, count: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``(H, count, D)`` of tokens ``[start, start + count)`` of one request.
 
@@ -101,7 +107,7 @@ class PageLayout(ABC):
     def write(
         self,
         kv_layer: torch.Tensor,
-        block_ids: Sequence[int],
+        block_ids: BlockIds,
         start: int,
         keys: torch.Tensor,
         values: torch.Tensor,

@@ -4,6 +4,9 @@ When the scheduler and the worker run in one process (vLLM's in-process engine c
 the ``uni`` executor, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), both halves must see the same
 CPU tier: the scheduler half answers lookups from what the worker half stored. Across
 processes only the Redis tier is shared (the CPU tier then serves the worker alone).
+
+:func:`build_namespace` names what one tensor-parallel rank's store holds (model, dtype,
+page-independent row layout, policy).
 """
 
 from __future__ import annotations
@@ -11,10 +14,38 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from lmcompact.store import StoreConfig, StoreNamespace, TieredStore
 
+if TYPE_CHECKING:
+    from lmcompact.vllm import vllm_shim as shim
+    from lmcompact.vllm.config import ConnectorConfig
+
 logger = logging.getLogger(__name__)
+
+STORE_LAYOUT = "lmcompact-rows-v1"
+"""Stored chunks are per-head rows, independent of any engine page layout."""
+
+
+def build_namespace(
+    config: ConnectorConfig, facts: shim.EngineFacts, tp_rank: int = 0
+) -> StoreNamespace:
+    """The store namespace of ``tp_rank``'s slices (rank 0's also derives the chunk keys)."""
+    params = config.namespace_params()
+    if config.store_compacts and facts.sliding_window is not None:
+        # sliding-window layers store each chunk's most recent rows (lmcompact/vllm/holes.py);
+        # chunks stored before that must not load as if they did
+        params["sliding_rows"] = "recent"
+    return StoreNamespace(
+        model_id=config.store.model_id or facts.model_id,
+        kv_dtype=str(facts.dtype).removeprefix("torch."),
+        kv_layout=STORE_LAYOUT,
+        tp_rank=tp_rank,
+        tp_world_size=facts.tp_size,
+        policy_name=config.store_policy_name,
+        policy_params=params,
+    )
 
 
 class StoreRegistry:

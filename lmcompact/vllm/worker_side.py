@@ -35,6 +35,7 @@ import torch
 
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, TieredStore
+from lmcompact.store.transfer import CopierPool
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.kv_layout import PageLayout, make_layout
@@ -99,6 +100,8 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         self._recon: dict[str, ReconstructScores] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
         self._pending: list[Future[None]] = []
+        self._save_copiers = CopierPool()  # CUDA: page copies to the host on a side stream
+        self._pending_bytes = 0  # page copies held by queued background saves
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
@@ -108,6 +111,7 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
             "load_failures": 0,
             "rejected_chunks": 0,
             "saves": 0,
+            "saves_skipped": 0,
             "saved_chunks": 0,
             "bytes_stored": 0,
             "bytes_full": 0,
@@ -353,11 +357,14 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         if meta is None or not self._prepared:
             return
         for spec in meta.saves:
+            if self.config.store.async_save and self._backlog_full(spec):
+                continue
             job = self._copy_job(spec)
             if self.config.store.async_save:
                 with self._lock:
                     self._pending = [f for f in self._pending if not f.done()]
-                    self._pending.append(self._executor.submit(self._run_job, job))
+                    self._pending_bytes += job.nbytes
+                    self._pending.append(self._executor.submit(self._run_queued, job))
             else:
                 self._run_job(job)
 

@@ -35,16 +35,17 @@ import os
 import shutil
 import sys
 import time
-import traceback
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from device_env import block_size, dtype, environment, on_cuda, write_report
+from device_env import Check, Result, block_size, dtype, on_cuda, run_checks
 
 from lmcompact.vllm.offline import worker_connector
 from tests.integration.vllm.probes import (
@@ -53,7 +54,7 @@ from tests.integration.vllm.probes import (
     compacted_prefix,
     stored_chunks,
 )
-from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids, write_random_llama
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ SPECS = {
 
 # ------------------------------------------------------------------------------- models
 def build_model(spec: ModelSpec, root: Path) -> Path:
-    """Tokenizer + config + seeded random bf16/fp32 weights of a Llama in ``root/spec.name``."""
+    """Tokenizer + config + seeded random bf16 weights of a Llama in ``root/spec.name``
+    (``tiny`` is the integration tests' model itself)."""
 
     tiny = build_tiny_llama(root / "tiny")
     if spec.name == "tiny":
@@ -94,35 +96,23 @@ def build_model(spec: ModelSpec, root: Path) -> Path:
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, folder / f.name)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
+    write_random_llama(
+        folder,
+        vocab_size=json.loads((tiny / "config.json").read_text())["vocab_size"],
+        layers=spec.layers,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
         head_dim=spec.head_dim,
+        hidden=spec.hidden,
+        intermediate=spec.intermediate,
+        proj_std=spec.proj_std,
+        seed=1,
+        bfloat16=True,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "proj" in name:
-                param.normal_(0.0, spec.proj_std)
-    model.bfloat16().save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return tiny_prompt_ids(length, seed=seed)
 
 
 # ------------------------------------------------------------------------------- engine
@@ -177,7 +167,7 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
     computed with the same shapes as after a connector reload.
     """
     length = spec.none_prompt_len
-    ids = prompt_ids(length, seed=3)
+    ids = tiny_prompt_ids(length, seed=3)
     n_chunks = (length - 1) // spec.chunk
     connector_hit = n_chunks * spec.chunk
     vllm_hit = (length - 1) // block_size() * block_size()
@@ -252,7 +242,7 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
 
 
 def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
-    ids = prompt_ids(spec.prompt_len, seed=3)
+    ids = tiny_prompt_ids(spec.prompt_len, seed=3)
     n_chunks = spec.prompt_len // spec.chunk
     n_prefix = n_chunks * spec.chunk
     tail = spec.prompt_len - n_prefix
@@ -361,6 +351,8 @@ def summary_line(result: dict[str, Any]) -> str:
     name = f"{result['check']}[{result['model']}{policy}]"
     if "error" in result:
         return f"{tag} {name}: {result['error'].splitlines()[-1]}"
+    if result["check"] == "build":
+        return f"{tag} {name}: model built"
     if result["check"] == "none_roundtrip":
         return (
             f"{tag} {name}: prompt {result['prompt_tokens']}, saved "
@@ -409,60 +401,34 @@ def main() -> int:
     out_json = args.json or (
         os.path.join(os.environ["OUT"], "result.json") if os.environ.get("OUT") else None
     )
-    began = time.time()
-    env = environment()
-    print("environment:", json.dumps(env), flush=True)
-    results: list[dict[str, Any]] = []
-    models = [m for m in args.models.split(",") if m]
+    return run_checks(model_checks(args), out_json, summary_line)
+
+
+def model_checks(args: argparse.Namespace) -> Iterator[Check]:
+    """Per model: its build, then the ``none`` round trip and the compacting policies (the
+    first on every model, the rest on the first model only); a model that fails to build
+    runs none of its checks. Lazy: :func:`run_checks` runs each check before it asks for
+    the next, so a model's build has run (or failed) when its checks are decided."""
     policies = [p for p in args.policies.split(",") if p]
-    for m_index, name in enumerate(models):
+    for m_index, name in enumerate(m for m in args.models.split(",") if m):
         spec = SPECS[name]
-        try:
+        built: list[Path] = []
+
+        def build(spec: ModelSpec = spec, built: list[Path] = built) -> Result:
             t0 = time.time()
-            model = build_model(spec, Path(args.work))
-            print(f"[{name}] model built in {time.time() - t0:.1f}s at {model}", flush=True)
-        except Exception:
-            results.append(
-                {"check": "build", "model": name, "pass": False, "error": traceback.format_exc()}
-            )
-            print(summary_line(results[-1]), flush=True)
+            built.append(build_model(spec, Path(args.work)))
+            print(f"[{spec.name}] model built in {time.time() - t0:.1f}s at {built[0]}")
+            return {"check": "build", "model": spec.name, "pass": True}
+
+        yield {"check": "build", "model": name}, build
+        if not built:
             continue
-        jobs: list[tuple[str, str | None]] = [("none", None)]
-        jobs += [("compact", p) for p in (policies if m_index == 0 else policies[:1])]
-        for kind, policy in jobs:
-            t0 = time.time()
-            try:
-                if kind == "none":
-                    result = check_none(spec, model)
-                else:
-                    assert policy is not None
-                    result = check_compact(spec, model, policy)
-            except Exception:
-                result = {
-                    "check": f"{kind}",
-                    "model": name,
-                    "pass": False,
-                    "error": traceback.format_exc(),
-                }
-                if policy:
-                    result["policy"] = policy
-                print(result["error"], flush=True)
-            result["seconds"] = round(time.time() - t0, 1)
-            results.append(result)
-            print(summary_line(result), flush=True)
-    report = write_report(env, results, began, out_json)
-    passed = report["passed"]
-    print("=" * 30, "results", "=" * 30)
-    for result in results:
-        print(summary_line(result))
-    print(
-        "SUMMARY:",
-        "ALL PASS" if passed else "SOME FAILED",
-        f"({sum(bool(r.get('pass')) for r in results)}/{len(results)} checks, "
-        f"{report['seconds']}s)",
-        flush=True,
-    )
-    return 0 if passed else 1
+        yield {"check": "none", "model": name}, partial(check_none, spec, built[0])
+        for policy in policies if m_index == 0 else policies[:1]:
+            yield (
+                {"check": "compact", "model": name, "policy": policy},
+                partial(check_compact, spec, built[0], policy),
+            )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ a result came from. A script may set any of these variables itself before import
 module; ``setdefault`` keeps its value.
 
 The scripts run engines through the project's one builder (:mod:`lmcompact.vllm.offline`) and
-look inside them with the integration tests' harness (``tests/integration/vllm*/``); this
-module adds only what the device needs on top: dtype and block size per device, the
-memory-connector engine of the memory checks, and the JSON report.
+look inside them with the integration tests' harness (``tests/integration/vllm*/``: models,
+prompts, probes); this module adds only what the device needs on top: dtype and block size
+per device, the memory-connector engine of the memory checks, and one way to run checks
+and write their JSON report (:func:`run_checks`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import platform
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -96,21 +99,70 @@ def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractCo
 
 def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
     """``--requests`` random prompts of ``--prompt-tokens`` minus 37 per request (different
-    lengths, different tails) over ``--vocab``."""
-    import random
+    lengths, different tails) over ``--vocab`` (the tests' :func:`tiny_prompt_ids`)."""
+    from tests.integration.vllm.tiny_model import tiny_prompt_ids
 
-    out = {}
-    for i in range(args.requests):
-        rng = random.Random(100 + i)
-        length = args.prompt_tokens - 37 * i
-        out[f"r{i}"] = [rng.randrange(3, args.vocab) for _ in range(length)]
-    return out
+    return {
+        f"r{i}": tiny_prompt_ids(args.prompt_tokens - 37 * i, seed=100 + i, vocab=args.vocab)
+        for i in range(args.requests)
+    }
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` in float64."""
     denom = float(want.double().norm())
     return float((got.double() - want.double()).norm()) / max(denom, 1e-30)
+
+
+Result = dict[str, Any]
+Check = tuple[Result, Callable[[], "Result | list[Result]"]]
+"""A check to run: the fields of its result should it raise (``check`` at least, and what
+the script's summary line names), and the function returning its result(s)."""
+
+
+def plain_line(result: Result) -> str:
+    """``PASS``/``FAIL``, the check's name and its other fields as JSON."""
+    tag = "PASS" if result.get("pass") else "FAIL"
+    if "error" in result:
+        return f"{tag} {result['check']}: {result['error'].strip().splitlines()[-1]}"
+    body = {k: v for k, v in result.items() if k not in ("check", "pass")}
+    return f"{tag} {result['check']}: {json.dumps(body, default=str)}"
+
+
+def run_checks(
+    checks: Iterable[Check], json_path: str | None, summary_line: Callable[[Result], str]
+) -> int:
+    """Run every check (an exception is a failed result carrying its traceback), print one
+    summary line per result as it comes and all of them again at the end, write the report
+    (:func:`write_report`); return the exit status (0: every check passed)."""
+    began = time.time()
+    env = environment()
+    print("environment:", json.dumps(env), flush=True)
+    results: list[Result] = []
+    for fields, check in checks:
+        t0 = time.time()
+        try:
+            out = check()
+            batch = out if isinstance(out, list) else [out]
+        except Exception:
+            batch = [{**fields, "pass": False, "error": traceback.format_exc()}]
+            print(batch[0]["error"], flush=True)
+        for result in batch:
+            result["seconds"] = round(time.time() - t0, 1)
+            results.append(result)
+            print(summary_line(result), flush=True)
+    report = write_report(env, results, began, json_path)
+    print("=" * 30, "results", "=" * 30)
+    for result in results:
+        print(summary_line(result))
+    print(
+        "SUMMARY:",
+        "ALL PASS" if report["passed"] else "SOME FAILED",
+        f"({sum(bool(r.get('pass')) for r in results)}/{len(results)} checks, "
+        f"{report['seconds']}s)",
+        flush=True,
+    )
+    return 0 if report["passed"] else 1
 
 
 def write_report(

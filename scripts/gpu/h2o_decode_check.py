@@ -27,10 +27,8 @@ Prints one ``PASS``/``FAIL`` line per check; exit status 1 on any FAIL.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +37,12 @@ import torch
 from device_env import (
     ROOT,
     block_size,
-    environment,
     memory_engine,
     on_cuda,
+    plain_line,
     prompts,
     rel_err,
-    write_report,
+    run_checks,
 )
 
 from lmcompact.vllm.offline import worker_connector
@@ -192,22 +190,7 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    env = environment()
-    print("environment:", json.dumps(env), flush=True)
-    began = time.time()
-    try:
-        results = check_h2o(args)
-    except Exception:
-        results = [{"check": "h2o", "pass": False, "error": traceback.format_exc()}]
-        print(results[0]["error"], flush=True)
-    passed = all(r.get("pass") for r in results)
-    for result in results:
-        tag = "PASS" if result.get("pass") else "FAIL"
-        body = {k: v for k, v in result.items() if k not in ("check", "pass", "error")}
-        print(f"{tag} {result['check']}: {json.dumps(body, default=str)}", flush=True)
-    write_report(env, results, began, args.json)
-    print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED", flush=True)
-    return 0 if passed else 1
+    return run_checks([({"check": "h2o"}, lambda: check_h2o(args))], args.json, plain_line)
 
 
 if __name__ == "__main__":

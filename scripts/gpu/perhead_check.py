@@ -34,7 +34,6 @@ import json
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from device_env import (
     ROOT,
+    Check,
     block_size,
-    environment,
     memory_engine,
     on_cuda,
     prompts,
     rel_err,
-    write_report,
+    run_checks,
 )
 
 from lmcompact.vllm.offline import worker_connector
@@ -103,7 +102,7 @@ class WindowRecorder:
                 )
             return mass, rows
 
-        self.packing.observe_layer = observe
+        self.packing.observe_layer = observe  # type: ignore[assignment]  # a probe
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -263,16 +262,16 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         # ---- window scores
         w_worst = 0.0
-        paths = sorted({c["path"] for c in windows.calls})
-        for c in windows.calls:
-            q = c["queries"].to(c["keys"].device).float().permute(1, 0, 2)[None]
+        paths = sorted({seen["path"] for seen in windows.calls})
+        for seen in windows.calls:
+            q = seen["queries"].to(seen["keys"].device).float().permute(1, 0, 2)[None]
             want, _ = window_scores(
                 q,
-                c["keys"].float()[None],
-                query_positions=c["positions"].to(c["keys"].device) - c["start"],
-                scale=c["scale"],
+                seen["keys"].float()[None],
+                query_positions=seen["positions"].to(seen["keys"].device) - seen["start"],
+                scale=seen["scale"],
             )
-            w_worst = max(w_worst, rel_err(c["mass"], want[0]))
+            w_worst = max(w_worst, rel_err(seen["mass"], want[0]))
         window_result = {
             "check": "window_scores",
             "pass": bool(windows.calls) and w_worst <= tol,
@@ -375,32 +374,10 @@ def main() -> int:
     parser.add_argument("--skip-uniform", action="store_true")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    began = time.time()
-    env = environment()
-    print("environment:", json.dumps(env), flush=True)
-    results: list[dict[str, Any]] = []
-    jobs: list[tuple[str, Any]] = [("perhead", check_perhead)]
+    checks: list[Check] = [({"check": "perhead"}, lambda: check_perhead(args))]
     if not args.skip_uniform:
-        jobs.append(("uniform_snapkv", check_uniform))
-    for name, job in jobs:
-        t0 = time.time()
-        try:
-            out = job(args)
-            batch = out if isinstance(out, list) else [out]
-        except Exception:
-            batch = [{"check": name, "pass": False, "error": traceback.format_exc()}]
-            print(batch[0]["error"], flush=True)
-        for result in batch:
-            result["seconds"] = round(time.time() - t0, 1)
-            results.append(result)
-            print(summary_line(result), flush=True)
-    report = write_report(env, results, began, args.json)
-    passed = report["passed"]
-    print("=" * 30, "results", "=" * 30)
-    for result in results:
-        print(summary_line(result))
-    print("SUMMARY:", "ALL PASS" if passed else "SOME FAILED", flush=True)
-    return 0 if passed else 1
+        checks.append(({"check": "uniform_snapkv"}, lambda: check_uniform(args)))
+    return run_checks(checks, args.json, summary_line)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ stream (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -21,7 +22,20 @@ pytestmark = [
 
 NS = make_namespace()
 KEYS = chunk_keys(list(range(256 * 8)), NS, 256)
-SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time at H200 clocks
+PRODUCER_S = 0.5  # how long the simulated producer keeps the GPU busy
+
+
+@functools.cache
+def sleep_cycles(seconds: float = PRODUCER_S) -> int:
+    """``torch.cuda._sleep`` cycles that keep this GPU busy for about ``seconds`` (measured:
+    a fixed count was 0.1 s on paper and under 0.05 s on the H200)."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * seconds / max(start.elapsed_time(end) / 1000, 1e-6))
 
 
 def device_chunk(seed: int, fill: float | None = None, kept: int = 64) -> CompactedChunk:
@@ -31,7 +45,12 @@ def device_chunk(seed: int, fill: float | None = None, kept: int = 64) -> Compac
     chunk = make_chunk(seed, layers=4, heads=2, kept=kept, dim=64, dtype=torch.bfloat16)
     dev = chunk.clone("cuda")
     if fill is not None:
-        torch.cuda._sleep(SLEEP_CYCLES)
+        # the first launch of a kernel loads its module, which waits for the whole device
+        # (CUDA lazy loading): run the fill once before the producer's sleep
+        dev.keys.fill_(0.0)
+        dev.values.fill_(0.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles())
         dev.keys.fill_(fill)
         dev.values.fill_(-fill)
     return dev
@@ -76,7 +95,7 @@ def test_source_released_early_is_still_copied_right():
     tier = CPUTier(64 << 20, pin_memory=True)
     expected = make_chunk(2, layers=4, heads=2, kept=64, dim=64, dtype=torch.bfloat16)
     chunk = device_chunk(2)
-    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda._sleep(sleep_cycles())
     assert tier.put(KEYS[2], chunk)
     del chunk
     junk = [torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda") for _ in range(8)]
@@ -105,6 +124,26 @@ def test_stream_copier_to_device_batch():
     pending.wait()
     for got, want in zip(out, chunks, strict=True):
         assert got.device.type == "cuda" and same_chunk(got, want)
+
+
+def test_put_many_batches_both_ways_and_waits_for_the_producer():
+    host = CPUTier(64 << 20, pin_memory=True)
+    device = GPUTier(64 << 20, "cuda")
+    chunks = [device_chunk(10 + i, fill=float(i + 1)) for i in range(4)]
+    items = [(KEYS[i], c) for i, c in enumerate(chunks)]
+    # a repeated key in one batch is stored once
+    assert host.put_many([*items, items[0]]) == [True] * 5
+    assert len(host) == 4 and host.metrics()["puts"] == 4
+    for i, _ in enumerate(chunks):
+        got = host.get(KEYS[i])  # waits on the batch's one event
+        assert got is not None and got.keys.is_pinned()
+        assert bool((got.keys == i + 1).all()) and bool((got.values == -(i + 1)).all())
+    pinned = [(KEYS[i], host.get(KEYS[i])) for i in range(4)]
+    assert device.put_many(pinned) == [True] * 4  # type: ignore[arg-type]
+    for i in range(4):
+        got = device.get(KEYS[i])
+        assert got is not None and got.device.type == "cuda"
+        assert bool((got.keys.cpu() == i + 1).all())
 
 
 def test_tiered_store_gpu_and_cpu_round_trip():
@@ -156,8 +195,11 @@ def test_to_host_does_not_stall_the_current_stream():
     pages = torch.empty(4, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
     # made before the sleep: a host-to-device copy from pageable memory waits for the stream
     rows = torch.tensor([3, 1], device="cuda")
+    # warm-up of the same kernels and copies (a kernel's first launch waits for the device)
+    pages.fill_(0.0)
+    copier.to_host([pages[rows]])[1].synchronize()
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda._sleep(sleep_cycles())
     pages.fill_(1.5)  # written after the sleep, on the current stream
     gathered = pages[rows]
     start = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,58 @@ class MemoryTier(StorageTier):
             self._policy.on_insert(key, nbytes)
         self.stats.add(puts=1, bytes_in=nbytes)
         return True
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, CompactedChunk]]) -> list[bool]:
+        """Puts of a batch; copies that cross host and CUDA share one side-stream hand-off
+        and one event (a batch of small chunks is bound by per-copy costs otherwise)."""
+        devices = {chunk.device for _, chunk in items}
+        if len(items) < 2 or len(devices) != 1:
+            return super().put_many(items)
+        copier = self._copiers.for_copy(devices.pop(), self.device)
+        if copier is None:
+            return super().put_many(items)
+        ok = [False] * len(items)
+        todo: list[tuple[int, ChunkKey, CompactedChunk, torch.Tensor]] = []
+        with self._lock:
+            seen: set[ChunkKey] = set()
+            for i, (key, chunk) in enumerate(items):
+                if key in self._entries or key in seen:
+                    if key in self._entries:
+                        self._policy.on_access(key)
+                    ok[i] = True
+                    continue
+                buf = self._reserve(chunk.payload_nbytes)
+                if buf is None:
+                    self.stats.add(put_failures=1)
+                    continue
+                self._used += chunk.payload_nbytes
+                seen.add(key)
+                todo.append((i, key, chunk, buf))
+        if not todo:
+            return ok
+        try:
+            stored, pending = copier.pack_many([t[2] for t in todo], [t[3] for t in todo])
+        except BaseException:
+            with self._lock:
+                for _, _, chunk, buf in todo:
+                    self._used -= chunk.payload_nbytes
+                    self._free.setdefault(chunk.payload_nbytes, []).append(buf)
+            raise
+        with self._lock:
+            for (i, key, chunk, buf), kept in zip(todo, stored, strict=True):
+                nbytes = chunk.payload_nbytes
+                if key in self._entries:  # a concurrent put of the same content won
+                    pending.synchronize()
+                    self._used -= nbytes
+                    self._free.setdefault(nbytes, []).append(buf)
+                else:
+                    self._entries[key] = _Entry(kept, buf, nbytes, pending)
+                    self._inflight.add(key)
+                    self._policy.on_insert(key, nbytes)
+                    self.stats.add(puts=1, bytes_in=nbytes)
+                ok[i] = True
+            self._release_finished()
+        return ok
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -22,22 +22,7 @@ A block released in schedule ``t+1`` can be handed to another request in that sc
 and written by forward ``t+1``, which runs after forward ``t`` (one stream, or the CPU),
 so the pack in ``t`` has read it before anyone writes it.
 
-Admission without thrash (``reserve_growth``): vLLM admits a waiting request when its
-next chunk fits in the free blocks; blocks freed by holes make room for more requests than
-the pool can carry once their generations grow, and vLLM then preempts (and recomputes,
-and re-packs) running requests. The wrapped ``allocate_slots`` therefore refuses a request
-that holds no block yet (an admission; vLLM keeps it waiting) unless::
-
-    free_blocks - need(new) >= sum over running r of pending(r)
-
-    need(new)  = max(cdiv(P, bs), cdiv(P + M, bs) - hole(P))    its peak holding
-    pending(r) = max(prompt blocks r still has to allocate,
-                     cdiv(P + M, bs) - len(row(r)) - hole still to come back)
-
-with P the prompt, M ``max_tokens`` and ``hole(P)`` the blocks a prompt of P tokens gives
-back at prefill end (0 when it is not compacted). A request admitted under this rule always
-finds its growth in the pool, so only requests that vLLM would have preempted anyway (none
-here when nothing else allocates) are. When no request is running, nothing is refused.
+Admission without thrash (``reserve_growth``): :mod:`lmcompact.vllm.memory.admission`.
 
 H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
 tokens are still needed; the :class:`lmcompact.vllm.memory.heavy_hitters.MergeJob` (with the
@@ -50,60 +35,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
 
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.compaction import SCORE_NEEDS
 from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.memory.admission import GrowthReserve
 from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
 from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.memory.scheduler_state import MemorySchedulerState, MemoryStats, PackJob
 from lmcompact.vllm.metadata import CaptureSpec, StepMetadata
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class PackJob:
-    """Worker job: pack kept tokens of ``[start, start + num_tokens)`` into slots
-    ``[start, start + kept)``.
-
-    Attributes:
-        req_id: request id.
-        block_ids: the request's block row.
-        num_tokens: tokens compacted (whole blocks).
-        kept: tokens each (layer, head) keeps (whole blocks); the mean with per-head counts.
-        reserved: slots each head holds, the hole's start (``kept`` unless per-head).
-        start: first token of the span; the blocks before it are shared through vLLM's
-            prefix cache and stay untouched (0 without prefix caching).
-    """
-
-    req_id: str
-    block_ids: list[int]
-    num_tokens: int
-    kept: int
-    reserved: int
-    start: int = 0
+__all__ = [
+    "MemoryScheduler",
+    "MemorySchedulerState",
+    "MemoryStats",
+    "PackJob",
+    "needs_scores",
+]
 
 
-@dataclass
-class MemoryStats:
-    """Counters of the release path (read by tests and the capacity benchmark)."""
-
-    packs: int = 0
-    blocks_released: int = 0
-    blocks_kept_shared: int = 0
-    holes_adopted: int = 0
-    repacks: int = 0
-    preemptions: int = 0
-    admissions_deferred: int = 0
-    protected_blocks: int = 0  # prompt blocks packs left untouched (prefix caching)
-    peak_held: dict[str, int] = field(default_factory=dict)
-
-
-class MemoryScheduler:
+class MemoryScheduler(GrowthReserve):
     """Scheduler-side memory saving for one engine.
 
     Args:
@@ -142,6 +98,9 @@ class MemoryScheduler:
         self._freed: dict[str, int] = {}
         self.stats = MemoryStats()
         self.held_back: Callable[[str], bool] = lambda req_id: False
+        # the hole of a packed store load the store half opened for a request (None: none);
+        # it is adopted, so its blocks go back to the pool
+        self.load_hole: Callable[[str], Hole | None] = lambda req_id: None
         # with vLLM's prefix caching: the guard keeping compacted blocks unhashed, and per
         # request the leading blocks vLLM's cache served it (never rewritten by a pack)
         self.guard: PrefixCacheGuard | None = None
@@ -180,70 +139,6 @@ class MemoryScheduler:
                 return pop(request)
 
             kv_cache_manager.pop_blocks_for_free = pop_blocks_for_free
-
-    def _ledger(self) -> BlockLedger:
-        if self.ledger is None:
-            # without the manager no block can be released: refuse instead of saving nothing
-            raise RuntimeError(
-                "the release group was never bound to vLLM's KVCacheManager (neither "
-                "bind_kv_cache_manager nor bind_gpu_block_pool was called)"
-            )
-        return self.ledger
-
-    # ------------------------------------------------------------------ admission
-    def _hole_blocks(self, prompt_len: int) -> int:
-        """Blocks a fresh prompt of ``prompt_len`` tokens gives back at prefill end."""
-        nb = prompt_len // self.block_size
-        if self.planner.prefill_mode.value == "off" or nb < self.planner.min_prompt_blocks:
-            return 0
-        kb = self.planner.kept_blocks(nb)
-        if kb >= nb:
-            return 0
-        if self.planner.prefill_mode.value == "pack":
-            return nb - self.planner.reserved_blocks(kb, nb)
-        return nb - kb
-
-    def _final_blocks(self, request: Any) -> int | None:
-        """Logical blocks the request will have once it generated ``max_tokens``."""
-        max_tokens = getattr(request, "max_tokens", None)
-        if max_tokens is None:
-            return None
-        total = int(request.num_prompt_tokens) + int(max_tokens)
-        return -(-total // self.block_size)
-
-    def pending_blocks(self, request: Any) -> int:
-        """Blocks a running request may still take from the pool (see module doc)."""
-        final = self._final_blocks(request)
-        row = self._ledger().blocks(request.request_id)
-        if final is None:
-            return 0
-        prompt_len = int(request.num_prompt_tokens)
-        remaining = final - len(row)
-        if request.request_id in self.planner.holes:  # packed or hole planned: it came back
-            return max(0, remaining)
-        prompt_rest = -(-prompt_len // self.block_size) - len(row)
-        return max(0, prompt_rest, remaining - self._hole_blocks(prompt_len))
-
-    def admits(self, request: Any) -> bool:
-        """Whether a request may get blocks now (always, unless it is a new admission that
-        would eat the growth reserved for running requests)."""
-        if not self.reserve_growth or self.ledger is None:
-            return True
-        ledger = self.ledger
-        if ledger.blocks(request.request_id):
-            return True  # already running: its growth was reserved
-        running = [r for rid, r in self.live.items() if rid != request.request_id]
-        if not running:
-            return True
-        final = self._final_blocks(request)
-        prompt_len = int(request.num_prompt_tokens)
-        full = -(-prompt_len // self.block_size)
-        need = full if final is None else max(full, final - self._hole_blocks(prompt_len))
-        reserve = sum(self.pending_blocks(r) for r in running)
-        if ledger.num_free() - need >= reserve:
-            return True
-        self.stats.admissions_deferred += 1
-        return False
 
     # ------------------------------------------------------------------ hooks
     def before_allocate(self, request: Any) -> None:
@@ -376,7 +271,7 @@ class MemoryScheduler:
                 self._hit_blocks[sched.req_id] = hit // self.block_size
             first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = _hole_of_row(meta, blocks)
+            foreign = self.load_hole(sched.req_id)
             if foreign is not None and sched.req_id not in self.planner.holes:
                 self.planner.adopt(
                     sched.req_id,
@@ -472,16 +367,6 @@ class MemoryScheduler:
         positions = list(range(window_lo, window_hi))
         slots = [int(row[p // bs].block_id) * bs + p % bs for p in positions]
         meta.captures.append(CaptureSpec(req_id, slots, positions))
-
-
-def _hole_of_row(meta: StepMetadata, row: list[Any]) -> Hole | None:
-    """The hole another component put into ``meta`` for the request whose blocks are
-    ``row`` (matched by its key column), or None."""
-    for key, hole in meta.holes.items():
-        column = hole.key_column
-        if column < len(row) and not row[column].is_null and row[column].block_id == key:
-            return hole
-    return None
 
 
 def needs_scores(policy: Any) -> bool:

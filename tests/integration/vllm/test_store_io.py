@@ -116,3 +116,34 @@ def test_no_wait_without_a_save_in_flight(tiny_model: Path) -> None:
         greedy(llm, PROMPT, 2)
         greedy(llm, PROMPT, 2)
     assert half.stats["waits"] == 0 and half.stats["hit_chunks"] == 0
+
+
+def test_saves_past_the_backlog_limit_are_skipped_and_recomputed(tiny_model: str) -> None:
+    """With the background thread busy, page copies pile up to ``max_pending_save_mb``;
+    saves past it are skipped (counted, reported unsaved), and a repeat of a skipped prompt
+    is recomputed (its first answer), never left waiting for a save that will not come."""
+    prompts = [tiny_prompt_ids(300, seed=s) for s in (11, 12, 13)]
+    store = {"chunk_size": CHUNK, "max_pending_save_mb": 1}
+    extra = {"policy": "snapkv", "budget": 0.5, "window": 16, "store": store}
+    with engine(tiny_model, extra) as llm:
+        from vllm import SamplingParams
+
+        half = worker_connector().worker_half
+        page_bytes = sum(kv[0].nbytes for kv in half.kv_caches.values())
+        assert 300 * page_bytes // half.facts.block_size > (1 << 20) // 2  # two do not fit
+        gate = threading.Event()
+        half._executor.submit(gate.wait)  # the save thread is busy: copies queue up
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        first = [list(o.outputs[0].token_ids) for o in outs]
+        gate.set()
+        half.drain()
+        skipped = int(half.stats["saves_skipped"])
+        assert skipped >= 1 and int(half.stats["saves"]) + skipped == len(prompts), half.stats
+        second = [greedy(llm, p, 8) for p in prompts]
+        loaded = int(half.stats["loaded_chunks"])
+    n_chunks = len(prompts[0]) // CHUNK
+    # the saved prompts load their chunks; the skipped ones recompute their first answer
+    assert loaded == (len(prompts) - skipped) * n_chunks, half.stats
+    recomputed = [a == b for a, b in zip(first, second, strict=True)]
+    assert sum(recomputed) >= skipped

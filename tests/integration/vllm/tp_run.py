@@ -33,26 +33,17 @@ BLOCK_SIZE = 32
 
 
 def _llm(model: str, tp: int, extra: dict[str, Any], connector: str, num_blocks: int | None) -> Any:
-    from vllm import LLM
+    from lmcompact.vllm.offline import build_llm
 
-    from lmcompact.vllm.offline import transfer_config
-
-    kwargs: dict[str, Any] = {}
-    if num_blocks is not None:
-        kwargs["num_gpu_blocks_override"] = num_blocks
-    return LLM(
-        model=model,
-        dtype="float32",
+    return build_llm(
+        model,
+        extra,
+        connector=connector,
         block_size=BLOCK_SIZE,
         max_model_len=1024,
-        max_num_batched_tokens=1024,
-        enforce_eager=True,
-        enable_prefix_caching=False,
+        num_blocks=num_blocks,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
-        kv_transfer_config=transfer_config(extra, connector),
-        seed=0,
-        **kwargs,
     )
 
 

@@ -1,0 +1,187 @@
+"""The cells of ``lmcompact eval --engine vllm``: what one run measures
+(:class:`VllmEvalConfig`), its cases, and each cell's connector options.
+
+A cell is one (mode, policy, budget); the modes (``save``, ``load``, ``inplace``) and the
+full-cache baseline are described in :mod:`lmcompact.eval.vllm_runner`, which runs them.
+Engine-free: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcompact.eval import tasks
+from lmcompact.eval.text import text_stream
+
+TASKS = ("multi_needle", "needle")
+MODES = ("save", "load", "inplace")
+BASELINE = "none"
+"""``compact_on`` of the full-cache rows (no connector)."""
+
+
+@dataclass
+class VllmEvalConfig:
+    """What one ``lmcompact eval --engine vllm`` run measures (validated on creation).
+
+    Attributes:
+        models: prepared model names or folders.
+        policies: policy names (the connector refuses those it cannot run in vLLM).
+        budgets: kept fractions in (0, 1).
+        contexts: context lengths in tokens (multiples of ``chunk_size`` store whole).
+        samples: contexts per cell and depth (``needle``) or per cell (``multi_needle``).
+        depths: needle depths; ``multi_needle`` puts one needle per depth into one context.
+        tasks: subset of :data:`TASKS`.
+        modes: subset of :data:`MODES`.
+        new_tokens: greedy tokens per question.
+        chunk_size: store chunk, tokens.
+        window: observation-window queries.
+        seed: picks texts, passkeys and colors.
+        reconstruct: in ``save`` mode, store contexts for policies that read context
+            scores (``kvzip``) with KVzip's reconstruction request.
+        policy_params: per policy name, ``policy_params`` of the connector (e.g.
+            ``{"kvzip": {"share": True, "kernel_size": 15}}``).
+    """
+
+    models: list[str] = field(default_factory=lambda: ["smollm2"])
+    policies: list[str] = field(default_factory=lambda: ["snapkv"])
+    budgets: list[float] = field(default_factory=lambda: [0.5, 0.25])
+    contexts: list[int] = field(default_factory=lambda: [2048])
+    samples: int = 5
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    tasks: list[str] = field(default_factory=lambda: ["multi_needle"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    new_tokens: int = 10
+    chunk_size: int = 256
+    window: int = 32
+    seed: int = 0
+    reconstruct: bool = True
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"unknown tasks {bad or self.tasks}; allowed: {', '.join(TASKS)}")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(
+                f"unknown --compact-on modes {bad or self.modes}; allowed: {', '.join(MODES)}"
+            )
+        for budget in self.budgets:
+            if not 0.0 < budget < 1.0:
+                raise ValueError(f"budgets must be ratios in (0, 1), got {budget}")
+        for context in self.contexts:
+            if context < 2 * self.chunk_size:
+                raise ValueError(f"context must be >= {2 * self.chunk_size} tokens, got {context}")
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError(f"depths must be in [0, 1], got {self.depths}")
+        bad = [p for p in self.policy_params if p not in self.policies]
+        if bad:
+            raise ValueError(f"policy_params for {bad}, which are not among the policies")
+        if self.samples < 1 or self.new_tokens < 1:
+            raise ValueError(
+                f"samples and new_tokens must be >= 1, got {self.samples}, {self.new_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stored context and the questions asked against it."""
+
+    task: str
+    context: int
+    sample: int
+    stored: tasks.StoredContext
+
+
+def build_cases(tokenizer: Any, config: VllmEvalConfig, context: int) -> list[Case]:
+    """Deterministic contexts of one length for every task."""
+    cases = []
+    for task in config.tasks:
+        for index in range(config.samples):
+            seed = config.seed * 1000 + index
+            if task == "multi_needle":
+                stored = tasks.build_stored_context(
+                    tokenizer, context, seed, config.depths, text_stream(seed)
+                )
+                cases.append(Case(task, context, index, stored))
+                continue
+            for d, depth in enumerate(config.depths):
+                cseed = seed * 10 + d
+                stored = tasks.build_stored_context(
+                    tokenizer, context, cseed, [depth], text_stream(cseed)
+                )
+                cases.append(Case(task, context, index, stored))
+    return cases
+
+
+def connector_extra(
+    mode: str, policy: str, budget: float, config: VllmEvalConfig, namespace: str
+) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of one cell (saves inline, so a question always finds
+    what the first request stored)."""
+    extra: dict[str, Any] = {
+        "policy": policy,
+        "budget": budget,
+        "chunk_size": config.chunk_size,
+        "window": config.window,
+        "async_save": False,
+        "model_id": namespace,
+    }
+    if config.policy_params.get(policy):
+        extra["policy_params"] = dict(config.policy_params[policy])
+    if mode == "save":
+        extra.update(compact_on="save", memory={"prefill": "off"})
+    elif mode == "load":
+        extra.update(compact_on="load", memory={"prefill": "pack"})
+    elif mode == "inplace":
+        extra.update(save=False, load=False, memory={"prefill": "pack"})
+    else:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    return extra
+
+
+def uses_reconstruction(mode: str, policy: str, config: VllmEvalConfig) -> bool:
+    """Whether the cell stores its contexts with KVzip's reconstruction request."""
+    if mode != "save" or not config.reconstruct or policy == BASELINE:
+        return False
+    from lmcompact.policies import Need, make_policy
+
+    params = config.policy_params.get(policy, {})
+    made = make_policy(policy, budget=0.5, **params)
+    return Need.CONTEXT_SCORES in made.needs and not made.scores_given
+
+
+def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
+    """Whether the cell stores its contexts with given surprisal scores (``self_info``:
+    context scores it cannot compute from the request's own queries)."""
+    if mode != "save" or policy == BASELINE:
+        return False
+    from lmcompact.policies import make_policy
+
+    made = make_policy(policy, budget=0.5, **config.policy_params.get(policy, {}))
+    return made.scores_given
+
+
+def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
+    """The ``policy`` of a row: the name, ``+reconstruct`` when the store request was
+    KVzip's reconstruction pass, and any ``policy_params`` (``kvzip+reconstruct(share=True)``)."""
+    label = policy + ("+reconstruct" if reconstruct else "")
+    params = config.policy_params.get(policy)
+    if params:
+        label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+    return label
+
+
+def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
+    """``(mode, policy, budget)`` of every compacted cell, baseline first."""
+    yield BASELINE, BASELINE, 1.0
+    for mode in config.modes:
+        for policy in config.policies:
+            for budget in config.budgets:
+                yield mode, policy, budget
+
+
+def count_questions(cases: list[Case]) -> int:
+    return sum(len(c.stored.question_ids) for c in cases)

@@ -1,0 +1,89 @@
+"""The connector's save path on CUDA: pages go to pinned host memory on a side stream, the
+forward pass's stream is not held up, and the save job reads them only after the copy
+(skipped without a GPU; the CPU path is in tests/unit/connectors/test_save_to_host.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lmcompact.store.transfer import CopierPool
+from lmcompact.vllm.compaction import SaveJob
+from lmcompact.vllm.worker_save import ChunkSaving
+from tests.gpu.test_store_transfer import sleep_cycles
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def saver() -> ChunkSaving:
+    half = ChunkSaving.__new__(ChunkSaving)  # only the copy helper is exercised
+    half._save_copiers = CopierPool()
+    return half
+
+
+def test_save_copies_do_not_stall_and_job_waits_for_them() -> None:
+    half = saver()
+    kv = torch.zeros(16, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    index = torch.tensor([5, 2, 9], device="cuda")
+    host_query = torch.ones(4, 2, 128)
+    for _ in range(2):  # the second round is timed: kernels and pinned buffers are warm
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles())
+        kv.fill_(2.5)  # written after the sleep, on the forward's stream
+        gathered = kv[index]
+        query = kv[0, :, :4].float().transpose(0, 1)  # (4, 2, 128) on the device
+        start = time.perf_counter()
+        host, copied = half._to_host([gathered, query, host_query])
+        queued = time.perf_counter() - start
+        assert not torch.cuda.current_stream().query(), "the copy waited for the producer"
+        assert queued < 0.05 and copied is not None
+        job = SaveJob("r", [], 0, 96, host[:1], host[1:], None, 1.0, copied=copied)
+        job.wait_for_copies()
+        assert job.copied is None and host[0].is_pinned() and host[0].device.type == "cpu"
+        assert bool((host[0] == 2.5).all()) and bool((host[1] == 2.5).all())
+        assert host[2] is host_query  # host tensors are passed through
+        kv.zero_()
+
+
+def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
+    """The save path computes window scores on the GPU (Triton kernel, bf16 inputs) at
+    copy time; they agree with the float32 host reference the job would compute."""
+    from lmcompact.policies import make_policy
+    from lmcompact.vllm.compaction import window_masses
+    from lmcompact.vllm.kv_layout import make_layout
+
+    torch.manual_seed(0)
+    bs, h, d, t, w = 32, 4, 128, 1024, 32
+    layout = make_layout("token_major", bs)
+    pages = [
+        layout.tokens_to_pages(torch.randn(h, t, d), torch.randn(h, t, d)).to(torch.bfloat16)
+        for _ in range(2)
+    ]
+    queries = [torch.randn(w, 2 * h, d) for _ in range(2)]
+    positions = torch.arange(t - w, t)
+    policy = make_policy("snapkv", budget=0.25)
+
+    def job(device: str) -> SaveJob:
+        return SaveJob(
+            "r",
+            [],
+            0,
+            t,
+            [p.to(device) for p in pages],
+            [q.to(device) for q in queries],
+            positions,
+            d**-0.5,
+            window=w,
+        )
+
+    on_gpu = window_masses(job("cuda"), layout, policy)
+    on_host = window_masses(job("cpu"), layout, policy)
+    assert on_gpu is not None and on_host is not None
+    for got, want in zip(on_gpu, on_host, strict=True):
+        assert got.is_cuda and got.shape == want.shape == (h, t)
+        torch.testing.assert_close(got.cpu(), want, rtol=3e-2, atol=1e-3)
