@@ -21,15 +21,12 @@ from lmcompact.vllm.holes import Hole, skip_holes
 from lmcompact.vllm.kv_layout import make_layout
 from lmcompact.vllm.memory.perhead import masked_decode_attention
 from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
+from tests.gpu.errors import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

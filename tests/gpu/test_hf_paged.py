@@ -23,6 +23,7 @@ from lmcompact.hf.paged import PagedCache, blocks_needed  # noqa: E402
 from lmcompact.hf.paged.graph import graphed_decode  # noqa: E402
 from lmcompact.kernels.dispatch import force_reference, use_kernels  # noqa: E402
 from lmcompact.policies import make_policy  # noqa: E402
+from tests.gpu.errors import rel_err  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,11 +33,6 @@ pytestmark = [
 PROMPT, NEW, BLOCK, BEAMS = 100, 16, 16, 4
 # beam reorders fed at each step: duplicated parents force copy-on-write of the last block
 REORDERS = [[0, 0, 1, 2], [1, 1, 1, 3], [0, 1, 2, 3], [3, 2, 2, 0]]
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert torch.isfinite(got).all()
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from lmcompact.kernels.moves import compaction_moves
 from lmcompact.kernels.reference_paged import move_slots_reference, paged_attention_reference
 from lmcompact.kernels.synthetic import random_paged_case
 from lmcompact.layout.paged import vllm_kv_views
+from tests.gpu.errors import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,12 +26,6 @@ pytestmark = [
 
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(got).any(), "NaN in kernel output (a poisoned slot was read?)"
-    denom = want.float().norm().item()
-    return (got.float() - want.float()).norm().item() / max(denom, 1e-12)
 
 
 def ragged_kept(batch: int, hkv: int, prefix: int, seed: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ from lmcompact.kernels.paged_attention import paged_decode_attention
 from lmcompact.kernels.reference_paged import paged_attention_reference
 from lmcompact.kernels.synthetic import PagedCase, random_paged_case
 from lmcompact.layout.paged import PagedLengths
+from tests.gpu.errors import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,11 +23,6 @@ pytestmark = [
 ]
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(got).any(), "NaN in kernel output (a poisoned slot was read?)"
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12))
 
 
 def int8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
