@@ -141,55 +141,13 @@ class MemoryTier(StorageTier):
         return key in self._entries
 
     def put(self, key: ChunkKey, chunk: CompactedChunk) -> bool:
-        nbytes = chunk.payload_nbytes
-        with self._lock:
-            if key in self._entries:
-                self._policy.on_access(key)
-                return True
-            buf = self._reserve(nbytes)
-            if buf is None:
-                self.stats.add(put_failures=1)
-                logger.debug(
-                    "%s tier: no room for %d bytes (capacity %d)", self.name, nbytes, self._capacity
-                )
-                return False
-            self._used += nbytes
-        pending: PendingCopy | None = None
-        try:
-            copier = self._copiers.for_copy(chunk.device, buf.device)
-            if copier is None:
-                stored = chunk.pack_into(buf)
-            else:
-                stored, pending = copier.pack_into(chunk, buf)
-        except BaseException:
-            with self._lock:
-                self._used -= nbytes
-                self._free.setdefault(nbytes, []).append(buf)
-            raise
-        with self._lock:
-            if key in self._entries:  # a concurrent put of the same content won
-                if pending is not None:
-                    pending.synchronize()
-                self._used -= nbytes
-                self._free.setdefault(nbytes, []).append(buf)
-                return True
-            self._entries[key] = _Entry(stored, buf, nbytes, pending)
-            if pending is not None:
-                self._inflight.add(key)
-            self._release_finished()
-            self._policy.on_insert(key, nbytes)
-        self.stats.add(puts=1, bytes_in=nbytes)
-        return True
+        return self.put_many([(key, chunk)])[0]
 
     def put_many(self, items: Sequence[tuple[ChunkKey, CompactedChunk]]) -> list[bool]:
         """Puts of a batch; copies that cross host and CUDA share one side-stream hand-off
         and one event (a batch of small chunks is bound by per-copy costs otherwise)."""
-        devices = {chunk.device for _, chunk in items}
-        if len(items) < 2 or len(devices) != 1:
-            return super().put_many(items)
-        copier = self._copiers.for_copy(devices.pop(), self.device)
-        if copier is None:
-            return super().put_many(items)
+        if len({chunk.device for _, chunk in items}) > 1:  # one copy path per batch
+            return [self.put_many([item])[0] for item in items]
         ok = [False] * len(items)
         todo: list[tuple[int, ChunkKey, CompactedChunk, torch.Tensor]] = []
         with self._lock:
@@ -200,38 +158,60 @@ class MemoryTier(StorageTier):
                         self._policy.on_access(key)
                     ok[i] = True
                     continue
-                buf = self._reserve(chunk.payload_nbytes)
+                nbytes = chunk.payload_nbytes
+                buf = self._reserve(nbytes)
                 if buf is None:
                     self.stats.add(put_failures=1)
+                    logger.debug(
+                        "%s tier: no room for %d bytes (capacity %d)",
+                        self.name,
+                        nbytes,
+                        self._capacity,
+                    )
                     continue
-                self._used += chunk.payload_nbytes
+                self._used += nbytes
                 seen.add(key)
                 todo.append((i, key, chunk, buf))
         if not todo:
             return ok
         try:
-            stored, pending = copier.pack_many([t[2] for t in todo], [t[3] for t in todo])
+            stored, pending = self._copy_in([t[2] for t in todo], [t[3] for t in todo])
         except BaseException:
             with self._lock:
                 for _, _, chunk, buf in todo:
                     self._used -= chunk.payload_nbytes
                     self._free.setdefault(chunk.payload_nbytes, []).append(buf)
             raise
+        inserted = 0
         with self._lock:
             for (i, key, chunk, buf), kept in zip(todo, stored, strict=True):
                 nbytes = chunk.payload_nbytes
                 if key in self._entries:  # a concurrent put of the same content won
-                    pending.synchronize()
+                    if pending is not None:
+                        pending.synchronize()
                     self._used -= nbytes
                     self._free.setdefault(nbytes, []).append(buf)
                 else:
                     self._entries[key] = _Entry(kept, buf, nbytes, pending)
-                    self._inflight.add(key)
+                    if pending is not None:
+                        self._inflight.add(key)
                     self._policy.on_insert(key, nbytes)
-                    self.stats.add(puts=1, bytes_in=nbytes)
+                    inserted += nbytes
+                    self.stats.add(puts=1)
                 ok[i] = True
             self._release_finished()
+        self.stats.add(bytes_in=inserted)
         return ok
+
+    def _copy_in(
+        self, chunks: list[CompactedChunk], buffers: list[torch.Tensor]
+    ) -> tuple[list[CompactedChunk], PendingCopy | None]:
+        """Copy ``chunks`` into this tier's ``buffers``: on a side stream when the copy
+        crosses host and CUDA (pending until its event), else at once."""
+        copier = self._copiers.for_copy(chunks[0].device, self.device)
+        if copier is None:
+            return [c.pack_into(b) for c, b in zip(chunks, buffers, strict=True)], None
+        return copier.pack_many(chunks, buffers)
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
