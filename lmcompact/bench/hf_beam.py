@@ -5,6 +5,8 @@ For each prompt length the same prompt runs through ``model.generate`` with
 cache configuration, in one process::
 
     dynamic             DynamicCache, SDPA attention (the transformers default)
+    dynamic_math        the same with SDPA's math backend only (a second torch
+                        implementation: how far rounding alone moves the beams)
     paged               PagedCache, model dtype
     paged_eager         the same, never a CUDA graph (on the CPU: the same as paged)
     paged_int8          PagedCache, int8 K/V
@@ -47,7 +49,11 @@ time and the CUDA runtime calls (kernel launches, copies, synchronizations).
 ``same_tokens_as_dynamic`` compares the generated tokens; in bf16/fp16 two
 attention implementations round differently and beams on random weights
 (near-tied logits) part after some steps, so ``common_prefix_tokens`` says
-how many leading tokens agree.
+how many leading tokens agree, and ``--score-fp32`` (default on below float32)
+scores every configuration's beam with one float32 forward of the same model
+(``fp32_logprob``, ``fp32_logprob_gap`` to DynamicCache's;
+:mod:`lmcompact.bench.hf_beam_score`): a paged beam that differs must be at
+least as likely as the less likely of ``dynamic`` and ``dynamic_math``.
 
 ``beam_time_ratio`` = paged / dynamic decode time per token and
 ``beam_kv_memory_ratio`` = paged / dynamic peak KV bytes, at the longest prompt.
@@ -68,6 +74,7 @@ from lmcompact.bench.hf_beam_runs import (
     profile_decode,
     sdpa_backends,
 )
+from lmcompact.bench.hf_beam_score import score_rows
 from lmcompact.bench.shapes import LLAMA_SHAPES
 from lmcompact.cli._output import format_table, write_json
 
@@ -115,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="STEPS",
         help="profile this many extra decode steps per config (torch profiler)",
+    )
+    parser.add_argument(
+        "--score-fp32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the runs, score every beam's tokens with a float32 forward of the same "
+        "model (default: on when --dtype is not float32; converts the model in place)",
     )
     parser.add_argument("--prompt-lengths", default="1024,4096", help="comma-separated")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -213,21 +227,25 @@ def run(args: argparse.Namespace) -> int:
     for length, config in tqdm(todo, desc="bench hf-beam"):
         ids = prompt(length).to(device)
         setup = Setup(model, ids, config, args)
+        backends = "math" if config == "dynamic_math" else args.sdpa_backends
         try:
             if warmup:  # compile kernels, capture graphs, set up libraries: not timed
-                with sdpa_backends(args.sdpa_backends):
+                with sdpa_backends(backends):
                     one_run(setup, ids, args, new_tokens=4)
-            with sdpa_backends(args.sdpa_backends):
+            with sdpa_backends(backends):
                 rows.append(one_run(setup, ids, args))
             if args.profile:
                 try:
-                    with sdpa_backends(args.sdpa_backends):
+                    with sdpa_backends(backends):
                         rows[-1]["profile"] = profile_decode(setup, ids, args)
                 except Exception as exc:  # a profiler failure must not lose the timings
                     logger.warning("profiling %s failed: %s", config, exc)
                     rows[-1]["profile"] = {"error": repr(exc), "calls_per_step": {}}
         finally:
             setup.close()
+    score = args.dtype != "float32" if args.score_fp32 is None else args.score_fp32
+    if score:
+        score_rows(model, prompt, rows)
     summary = summarize(rows, max(lengths))
     for row in rows:
         base = next(
@@ -250,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         "same_tokens_as_dynamic",
         "common_prefix_tokens",
     ]
+    if score:
+        columns.append("fp32_logprob_gap")
     print(format_table(rows, columns))
     for row in rows:
         if "profile" in row:
@@ -263,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
             "shape": SHAPES[args.shape] if args.shape else None,
             "cuda_graphs": args.cuda_graphs and device.type == "cuda",
             "sdpa_backends": args.sdpa_backends or "torch default",
+            "score_fp32": score,
             "prompt_lengths": lengths,
             "new_tokens": args.new_tokens,
             "beams": args.beams,

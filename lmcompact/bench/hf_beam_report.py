@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lmcompact.bench.hf_beam_score import beam_goals
+
 CONFIGS = (
     "dynamic",
+    "dynamic_math",
     "paged",
     "paged_eager",
     "paged_int8",
@@ -68,14 +71,9 @@ def summarize(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:
     time_ratio = (
         at["paged"]["decode_s_per_token"] / base["decode_s_per_token"] if "paged" in at else None
     )
-    memory = {
-        c: r["peak_kv_bytes"] / base["peak_kv_bytes"] for c, r in at.items() if c != "dynamic"
-    }
-    times = {
-        c: r["decode_s_per_token"] / base["decode_s_per_token"]
-        for c, r in at.items()
-        if c != "dynamic"
-    }
+    paged = {c: r for c, r in at.items() if not c.startswith("dynamic")}
+    memory = {c: r["peak_kv_bytes"] / base["peak_kv_bytes"] for c, r in paged.items()}
+    times = {c: r["decode_s_per_token"] / base["decode_s_per_token"] for c, r in paged.items()}
     goals: dict[str, Any] = {"at_prompt_tokens": length}
     if time_ratio is not None:
         goals["beam_time_ratio<=0.8"] = time_ratio <= GOALS["beam_time_ratio"]
@@ -85,6 +83,7 @@ def summarize(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:
     for config in ("paged_int8", "paged_int8_compact"):
         if config in memory:
             goals[f"{config} memory<={GOALS[config]}"] = memory[config] <= GOALS[config]
+    goals.update(beam_goals(rows, length))
     return {
         "beam_time_ratio": time_ratio,
         "beam_time_ratios": times,

@@ -73,7 +73,7 @@ class Setup:
         self.model = model
         self.graphs: DecodeGraphs | None = None
         self.cache: Any = None
-        if config == "dynamic":
+        if config.startswith("dynamic"):
             model.set_attn_implementation("sdpa")
             self._new_dynamic = lambda: DynamicCache(config=model.config)
             return
@@ -169,7 +169,7 @@ def one_run(
     if setup.graphs is not None:
         row["graph_captures"] = setup.graphs.captures - captures
         row["graph_failure"] = setup.graphs.failure
-    if setup.config != "dynamic":
+    if setup.cache is not None:
         release(cache, row)
     return row
 
@@ -228,7 +228,7 @@ def profile_decode(setup: Setup, ids: Any, args: argparse.Namespace) -> dict[str
     events = prof.key_averages()
     counts = {e.key: e.count for e in events}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-    if setup.config != "dynamic":
+    if setup.cache is not None:
         release(cache, {})
     return {
         "steps": steps,

@@ -67,3 +67,54 @@ def test_bench_bfloat16_keeps_bf16_kv(folder: Path, tmp_path: Path) -> None:
     dynamic, paged = rows["dynamic"]["peak_kv_bytes"], rows["paged"]["peak_kv_bytes"]
     assert dynamic == 2 * 2 * 2 * 64 * 4 * (200 + 9) * 2  # layers x K,V x heads x D x beams x T
     assert paged % (16 * 2 * 64 * 2 * 2) == 0 and paged < 0.4 * dynamic
+
+
+def test_sequence_logprob_is_beam_search_score(folder: Path) -> None:
+    """The float32 reference score of a beam is what beam search itself maximized."""
+    import torch
+
+    from lmcompact.bench.hf_beam_score import sequence_logprob
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(folder)
+    ).eval()
+    ids = torch.randint(0, 512, (1, 50), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            num_beams=4,
+            do_sample=False,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            length_penalty=0.0,  # the score is the plain sum of log-probs
+            early_stopping=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, 50:].tolist()
+    assert sequence_logprob(model, ids, tokens) == pytest.approx(
+        float(out.sequences_scores[0]), abs=1e-4
+    )
+    # any other continuation scores differently (the check can fail)
+    other = [*tokens[:-1], (tokens[-1] + 1) % 512]
+    assert sequence_logprob(model, ids, other) != pytest.approx(
+        float(out.sequences_scores[0]), abs=1e-4
+    )
+
+
+def test_bench_bfloat16_scores_beams_in_float32(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "beam.json"
+    configs = "dynamic,dynamic_math,paged"
+    assert hf_beam.run(_args(folder, out, "--configs", configs, "--dtype", "bfloat16")) == 0
+    payload = json.loads(out.read_text())
+    rows = {r["config"]: r for r in payload["results"]}
+    assert payload["config"]["score_fp32"]
+    assert rows["dynamic"]["fp32_logprob_gap"] == 0.0
+    for row in rows.values():
+        assert row["fp32_logprob"] < 0
+    goal = payload["goals"]["paged tokens or an as likely beam"]
+    same = rows["paged"]["tokens"] == rows["dynamic"]["tokens"]
+    floor = min(rows["dynamic"]["fp32_logprob"], rows["dynamic_math"]["fp32_logprob"])
+    assert goal == (same or rows["paged"]["fp32_logprob"] >= floor)
+    assert "dynamic_math" not in payload["beam_time_ratios"]
