@@ -49,11 +49,12 @@ time and the CUDA runtime calls (kernel launches, copies, synchronizations).
 ``same_tokens_as_dynamic`` compares the generated tokens; in bf16/fp16 two
 attention implementations round differently and beams on random weights
 (near-tied logits) part after some steps, so ``common_prefix_tokens`` says
-how many leading tokens agree, and ``--score-fp32`` (default on below float32)
-scores every configuration's beam with one float32 forward of the same model
-(``fp32_logprob``, ``fp32_logprob_gap`` to DynamicCache's;
-:mod:`lmcompact.bench.hf_beam_score`): a paged beam that differs must be at
-least as likely as the less likely of ``dynamic`` and ``dynamic_math``.
+how many leading tokens agree. ``--score-fp32`` (default on below float32)
+judges accuracy against the same model in float32 instead
+(:mod:`lmcompact.bench.hf_beam_score`): every configuration decodes
+DynamicCache's tokens teacher-forced (``forced_logit_rel_err`` to the float32
+logits; goal: a paged configuration errs no more than DynamicCache in the same
+dtype) and each beam is scored by a float32 forward (``fp32_logprob_gap``).
 
 ``beam_time_ratio`` = paged / dynamic decode time per token and
 ``beam_kv_memory_ratio`` = paged / dynamic peak KV bytes, at the longest prompt.
@@ -72,9 +73,10 @@ from lmcompact.bench.hf_beam_runs import (
     Setup,
     one_run,
     profile_decode,
+    release,
     sdpa_backends,
 )
-from lmcompact.bench.hf_beam_score import score_rows
+from lmcompact.bench.hf_beam_score import forced_logits, reference_rows
 from lmcompact.bench.shapes import LLAMA_SHAPES
 from lmcompact.cli._output import format_table, write_json
 
@@ -222,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
     model = model.to(device).eval()
     warmup = device.type == "cuda" if args.warmup is None else args.warmup
 
+    score = args.dtype != "float32" if args.score_fp32 is None else args.score_fp32
     rows: list[dict[str, Any]] = []
+    forced: dict[tuple[int, str], Any] = {}  # teacher-forced logits per (prompt, config)
+    configs.sort(key=lambda c: c != "dynamic")  # DynamicCache's tokens are the ones forced
     todo = [(t, c) for t in lengths for c in configs]
     for length, config in tqdm(todo, desc="bench hf-beam"):
         ids = prompt(length).to(device)
@@ -234,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
                     one_run(setup, ids, args, new_tokens=4)
             with sdpa_backends(backends):
                 rows.append(one_run(setup, ids, args))
+                if score:
+                    forced[length, config] = _forced(setup, ids, rows, args.beams)
             if args.profile:
                 try:
                     with sdpa_backends(backends):
@@ -243,9 +250,8 @@ def run(args: argparse.Namespace) -> int:
                     rows[-1]["profile"] = {"error": repr(exc), "calls_per_step": {}}
         finally:
             setup.close()
-    score = args.dtype != "float32" if args.score_fp32 is None else args.score_fp32
     if score:
-        score_rows(model, prompt, rows)
+        reference_rows(model, prompt, rows, forced)
     summary = summarize(rows, max(lengths))
     for row in rows:
         base = next(
@@ -269,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         "common_prefix_tokens",
     ]
     if score:
-        columns.append("fp32_logprob_gap")
+        columns += ["forced_logit_rel_err", "fp32_logprob_gap"]
     print(format_table(rows, columns))
     for row in rows:
         if "profile" in row:
@@ -315,6 +321,16 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             logger.warning("matplotlib is not installed: no plot (the JSON is written)")
     return 0
+
+
+def _forced(setup: Setup, ids: Any, rows: list[dict[str, Any]], beams: int) -> Any:
+    """Teacher-forced logits of ``setup``'s cache on DynamicCache's tokens for ``ids``."""
+    base = next(r for r in rows if r["config"] == "dynamic" and r["prompt_tokens"] == ids.shape[1])
+    cache, _ = setup.fresh_cache()
+    logits = forced_logits(setup.model, cache, ids, base["tokens"], beams)
+    if setup.cache is not None:
+        release(cache, {})
+    return logits
 
 
 def _folder(model: str) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmcompact.bench.hf_beam_score import beam_goals
+from lmcompact.bench.hf_beam_score import fidelity_goals
 
 CONFIGS = (
     "dynamic",
@@ -83,7 +83,7 @@ def summarize(rows: list[dict[str, Any]], length: int) -> dict[str, Any]:
     for config in ("paged_int8", "paged_int8_compact"):
         if config in memory:
             goals[f"{config} memory<={GOALS[config]}"] = memory[config] <= GOALS[config]
-    goals.update(beam_goals(rows, length))
+    goals.update(fidelity_goals(rows, length))
     return {
         "beam_time_ratio": time_ratio,
         "beam_time_ratios": times,
