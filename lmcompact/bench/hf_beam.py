@@ -52,9 +52,10 @@ attention implementations round differently and beams on random weights
 how many leading tokens agree. ``--score-fp32`` (default on below float32)
 judges accuracy against the same model in float32 instead
 (:mod:`lmcompact.bench.hf_beam_score`): every configuration decodes
-DynamicCache's tokens teacher-forced (``forced_logit_rel_err`` to the float32
-logits; goal: a paged configuration errs no more than DynamicCache in the same
-dtype) and each beam is scored by a float32 forward (``fp32_logprob_gap``).
+DynamicCache's tokens teacher-forced (``forced_rel_err_to_dynamic``; goal: a
+paged configuration is no farther from DynamicCache than ``dynamic_math`` is;
+``forced_logit_rel_err``: the distance to the float32 logits) and each beam is
+scored by a float32 forward (``fp32_logprob_gap``).
 
 ``beam_time_ratio`` = paged / dynamic decode time per token and
 ``beam_kv_memory_ratio`` = paged / dynamic peak KV bytes, at the longest prompt.
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "common_prefix_tokens",
     ]
     if score:
-        columns += ["forced_logit_rel_err", "fp32_logprob_gap"]
+        columns += ["forced_rel_err_to_dynamic", "forced_logit_rel_err", "fp32_logprob_gap"]
     print(format_table(rows, columns))
     for row in rows:
         if "profile" in row:

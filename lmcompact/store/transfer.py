@@ -160,7 +160,10 @@ class StreamCopier:
 
         For a saver that must not hold up the forward pass (e.g. KV pages gathered on the
         device): the copies start after the work queued so far on the current stream; call
-        :meth:`PendingCopy.wait` (host) before reading the returned tensors.
+        :meth:`PendingCopy.wait` (host) before reading the returned tensors. The pinned
+        buffers come from torch's host allocator cache; a miss there allocates page-locked
+        memory, which CUDA makes synchronize the device (so the first saves of a new size
+        wait once; drop the returned tensors when done so later saves reuse them).
 
         Args:
             tensors: tensors on this device, any shapes and dtypes.

@@ -31,7 +31,10 @@ def test_save_copies_do_not_stall_and_job_waits_for_them() -> None:
     kv = torch.zeros(16, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
     index = torch.tensor([5, 2, 9], device="cuda")
     host_query = torch.ones(4, 2, 128)
-    for _ in range(2):  # the second round is timed: kernels and pinned buffers are warm
+    # rounds after the first are checked: kernels are loaded and torch's pinned-memory cache
+    # holds the first round's buffers (a fresh pinned allocation, cudaHostAlloc, makes the
+    # device synchronize: CUDA's implicit synchronization rules)
+    for round_ in range(3):
         torch.cuda.synchronize()
         torch.cuda._sleep(sleep_cycles())
         kv.fill_(2.5)  # written after the sleep, on the forward's stream
@@ -40,14 +43,17 @@ def test_save_copies_do_not_stall_and_job_waits_for_them() -> None:
         start = time.perf_counter()
         host, copied = half._to_host([gathered, query, host_query])
         queued = time.perf_counter() - start
-        assert not torch.cuda.current_stream().query(), "the copy waited for the producer"
-        assert queued < 0.05 and copied is not None
+        if round_ > 0:
+            assert not torch.cuda.current_stream().query(), "the copy waited for the producer"
+            assert queued < 0.05
+        assert copied is not None
         job = SaveJob("r", [], 0, 96, host[:1], host[1:], None, 1.0, copied=copied)
         job.wait_for_copies()
         assert job.copied is None and host[0].is_pinned() and host[0].device.type == "cpu"
         assert bool((host[0] == 2.5).all()) and bool((host[1] == 2.5).all())
         assert host[2] is host_query  # host tensors are passed through
         kv.zero_()
+        del host, job  # a saver drops its host copies once encoded: the buffers are reused
 
 
 def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
