@@ -9,8 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+from lmcompact.policies.kvzip import sample_query_positions
 
 logger = logging.getLogger(__name__)
+
+QUERY_SOURCES = ("prompt", "window")
+SAMPLE_TAIL = 32
+"""Last prompt positions always in the ``"prompt"`` sample (KVzip's default tail, so the
+transformers eval's recorded sample serves both policies)."""
 
 _unrotated_logged = False
 
@@ -31,7 +37,7 @@ class ExpectedAttention(ScorePolicy):
     Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention
     from Future Queries Distribution", https://arxiv.org/abs/2510.00636. Future
     queries are modelled per query head as a Gaussian ``q ~ N(mu, Sigma)`` estimated
-    from the observation window's queries; then ``E[exp(scale q.k)] = exp(scale mu.k
+    from prompt queries; then ``E[exp(scale q.k)] = exp(scale mu.k
     + scale^2 k^T Sigma k / 2)``, normalized over the keys (a softmax), averaged over
     the query heads of each KV group and multiplied by ``||v||`` (plus ``epsilon``).
 
@@ -41,6 +47,18 @@ class ExpectedAttention(ScorePolicy):
     ``n_future_positions`` positions after the window (``M = mean_d R(p_end + d)``:
     ``mu' = M mu``, ``Sigma' = M Sigma M^T``), as the paper does. Without a rope the
     post-RoPE statistics are used as they are (logged once).
+
+    Which queries: with ``queries="prompt"`` (default, as the paper and kvpress, which
+    take every context query) a sample across the whole prompt (:meth:`context_queries`:
+    every position up to ``max_queries``, else evenly spaced ones plus the last 32) next to
+    the observation window; the integration captures them where the prefill computes
+    them (the vLLM worker copies them with the window; transformers slices them from the
+    prefill's queries). The first ``n_sink`` positions are left out of the statistics
+    (their queries are outliers). With ``queries="window"`` only the observation window
+    (the prompt's last ``window`` queries): on a stored prefix that is the end of the
+    context, a narrow estimate of what later questions ask. Cost of ``"prompt"``: the
+    captured queries, ``S x Hq x D`` floats per layer (S <= ``max_queries``; 70 MiB for
+    SmolLM2's 30 layers at 1024), and ``O(S Hq D^2)`` for the covariance; no attention.
 
     Shapes: window_queries ``(Hq, W, D)``, query_positions ``(W,)``, keys / values
     ``(H, T, D)`` -> scores ``(H, T)``; the first ``n_sink`` positions score +inf.
@@ -52,6 +70,8 @@ class ExpectedAttention(ScorePolicy):
         use_covariance: Include the ``k^T Sigma k`` term.
         use_vnorm: Multiply by the value norm.
         epsilon: Added to the normalized scores before the value-norm product.
+        queries: Where the statistics come from: ``"prompt"`` or ``"window"``.
+        max_queries: Most prompt queries sampled with ``"prompt"`` (>= 32).
     """
 
     name = "expected_attention"
@@ -63,6 +83,8 @@ class ExpectedAttention(ScorePolicy):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    queries: str = "prompt"
+    max_queries: int = 1024
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,14 +94,34 @@ class ExpectedAttention(ScorePolicy):
             raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
         if self.epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.queries not in QUERY_SOURCES:
+            raise ValueError(
+                f"queries must be one of {', '.join(QUERY_SOURCES)}, got {self.queries!r}"
+            )
+        if self.max_queries < SAMPLE_TAIL:
+            raise ValueError(f"max_queries must be >= {SAMPLE_TAIL}, got {self.max_queries}")
+
+    def context_queries(self, length: int) -> torch.Tensor | None:
+        """``(S,)`` prompt positions whose queries make the statistics (besides the
+        window); None with ``queries="window"``."""
+        if self.queries == "window":
+            return None
+        return sample_query_positions(length, self.max_queries, SAMPLE_TAIL)
 
     def query_statistics(
         self, queries: torch.Tensor, inputs: CompactionInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mean ``(Hq, D)`` and covariance ``(Hq, D, D)`` of the future queries (float64)."""
+        """Mean ``(Hq, D)`` and covariance ``(Hq, D, D)`` of the future queries (float64).
+
+        ``queries`` ``(Hq, W, D)`` at ``inputs.query_positions``; those before ``n_sink``
+        are left out (unless no other is given).
+        """
         q = queries.detach().double()
         positions = inputs.query_positions
         assert positions is not None  # check_inputs ran
+        late = positions >= self.n_sink
+        if bool(late.any()) and not bool(late.all()):
+            q, positions = q[:, late.to(q.device)], positions[late]
         rope = inputs.rope
         if rope is not None:
             q = rope.rotate(q, -positions.to(q.device).double())

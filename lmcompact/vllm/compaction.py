@@ -3,8 +3,9 @@
 Engine-free (torch + lmcompact only), so the worker can run it on a background thread and
 unit tests can run it without vLLM. One save job covers chunks ``first_chunk ..`` of a
 prompt. The captured queries are the observation window (the prompt's last ``window``
-queries: SnapKV's mass, TOVA's rows, Expected Attention's query statistics) and, for
-``kvzip``, a sample across the whole prompt (:meth:`CompactionPolicy.context_queries`);
+queries: SnapKV's mass, TOVA's rows) and, for ``kvzip`` and ``expected_attention``, a
+sample across the whole prompt (:meth:`CompactionPolicy.context_queries`; Expected
+Attention takes its query statistics from the window and the sample);
 both are scored against every key of the span (window mass in O(W x chunk) memory,
 context scores in O(Hq x 128 x T), never S x T)::
 
@@ -269,12 +270,19 @@ def compact_job(
     window_positions = None
     if window is not None and job.query_positions is not None:
         window_positions = job.query_positions[window]
+    # Expected Attention's statistics: the window and the policy's prompt sample
+    stats = window if context is None or window is None else torch.cat([window, context]).unique()
+    stats_positions = None
+    if stats is not None and job.query_positions is not None:
+        stats_positions = job.query_positions[stats]
+    wants_queries = Need.WINDOW_QUERIES in policy.needs
     for index, pages in enumerate(job.pages):
         keys, values = layout.pages_to_tokens(pages)
         keys, values = keys[:, : job.num_tokens], values[:, : job.num_tokens]
         per_layer.append((keys, values))
         queries = None if job.queries is None else job.queries[index]
         window_queries = None if queries is None or window is None else queries[window]
+        stats_queries = None if queries is None or stats is None else queries[stats]
         mass: torch.Tensor | None
         rows: torch.Tensor | None
         if job.window_mass is not None:
@@ -293,8 +301,8 @@ def compact_job(
                     else job.context_scores[index]
                 ),
                 window_queries=(
-                    window_queries.permute(1, 0, 2)
-                    if Need.WINDOW_QUERIES in policy.needs and window_queries is not None
+                    stats_queries.permute(1, 0, 2)
+                    if wants_queries and stats_queries is not None
                     else None
                 ),
             )
@@ -325,7 +333,7 @@ def compact_job(
             layers,
             positions=positions,
             budget_tokens=kept_per_chunk,
-            query_positions=window_positions,
+            query_positions=stats_positions if wants_queries else window_positions,
             rope=job.rope,
             attention_scale=job.scale,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from lmcompact.attention.rope import Rope
@@ -64,8 +65,11 @@ def test_kvzip_job_scores_with_the_sampled_queries_and_keeps_the_needle() -> Non
 
 
 def test_expected_attention_job_reads_the_window_queries_only() -> None:
-    """Captured rows hold a sample and the window; the statistics come from the window."""
-    policy = make_policy("expected_attention", budget=0.25, n_sink=0, n_future_positions=16)
+    """Captured rows hold a sample and the window; with ``queries="window"`` the
+    statistics come from the window."""
+    policy = make_policy(
+        "expected_attention", budget=0.25, n_sink=0, n_future_positions=16, queries="window"
+    )
     positions = torch.cat([torch.arange(0, 160, 10), torch.arange(184, 192)])
     generator = torch.Generator().manual_seed(2)
     direction = torch.nn.functional.normalize(torch.ones(D), dim=0)
@@ -82,6 +86,46 @@ def test_expected_attention_job_reads_the_window_queries_only() -> None:
             assert NEEDLE - CHUNK in second.head(layer, head)[2].tolist()
     rotated, _, _ = _job(queries, positions, window=8, rope=Rope.from_theta(1e6, D))
     assert len(compact_job(rotated, layout, policy, CHUNK, 16)) == 3
+
+
+@pytest.mark.parametrize("source", ["prompt", "window"])
+def test_expected_attention_job_statistics_from_the_prompt_sample(source: str) -> None:
+    """Sampled prompt queries read along ``a``, the window's along ``b``; one token kept
+    per chunk: the prompt's statistics keep the ``a`` key, the window's the ``b`` key."""
+    policy = make_policy(
+        "expected_attention",
+        budget=0.25,
+        n_sink=0,
+        use_covariance=False,
+        use_vnorm=False,
+        queries=source,
+        max_queries=64,
+    )
+    sampled = policy.context_queries(192) if source == "prompt" else None
+    window = torch.arange(184, 192)
+    positions = window if sampled is None else torch.cat([sampled, window]).unique()
+    a, b = torch.zeros(D), torch.zeros(D)
+    a[0], b[1] = 1.0, 1.0
+    at_a, at_b = 64 + 21, 64 + 40  # both in the second chunk
+    generator = torch.Generator().manual_seed(4)
+    layout = CpuPageLayout(BS)
+    keys = [torch.randn(H, 192, D, generator=generator) * 0.01 for _ in range(LAYERS)]
+    values = [torch.randn(H, 192, D, generator=generator) for _ in range(LAYERS)]
+    queries = []
+    for k in keys:
+        k[:, at_a], k[:, at_b] = a, b
+        q = torch.randn(positions.numel(), 2 * H, D, generator=generator) * 0.01
+        q[positions < 160] += a * 6.0
+        q[positions >= 184] += b * 6.0
+        queries.append(q)
+    pages = [layout.tokens_to_pages(k, v) for k, v in zip(keys, values, strict=True)]
+    chunk_keys = ChunkKeyer(StoreNamespace("m", "float32", "rows"), CHUNK).keys(list(range(192)))
+    job = SaveJob("r", chunk_keys, 0, 192, pages, queries, positions, D**-0.5, window=8)
+    _, second = compact_job(job, layout, policy, CHUNK, 1)[1]
+    expected = (at_a if source == "prompt" else at_b) - CHUNK
+    for layer in range(LAYERS):
+        for head in range(H):
+            assert second.head(layer, head)[2].tolist() == [expected]
 
 
 def test_engine_checks_accept_both_and_need_a_window() -> None:
