@@ -62,7 +62,11 @@ class ExpectedAttention(ScorePolicy):
 
     Shapes: window_queries ``(Hq, W, D)``, query_positions ``(W,)``, keys / values
     ``(H, T, D)`` -> scores ``(H, T)``; the first ``n_sink`` positions score +inf.
-    Needs no attention over the prompt, so it works on any chunk of keys alone.
+    Needs no attention over the prompt. The softmax runs over every non-sink key it is
+    given (``span_scores``: the vLLM save path scores the whole saved span at once and
+    plans each chunk from its slice, so a chunk's ranking is the whole context's, as in
+    the paper's code, where the group mean weighs each query head by its softmax over all
+    keys).
 
     Attributes:
         n_future_positions: Future positions the rotation is averaged over.
@@ -77,6 +81,7 @@ class ExpectedAttention(ScorePolicy):
     name = "expected_attention"
     needs = Need.KEYS | Need.WINDOW_QUERIES
     phases = Phase.PREFILL
+    span_scores = True
 
     n_future_positions: int = 512
     n_sink: int = 4
@@ -153,13 +158,16 @@ class ExpectedAttention(ScorePolicy):
         logits = scale * torch.einsum("htd,hd->ht", k, mu)
         if cov is not None:
             logits = logits + scale**2 / 2 * ((k @ cov) * k).sum(dim=-1)
-        valid = inputs.valid_or_all().to(keys.device).repeat_interleave(group, dim=0)
-        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+        valid = inputs.valid_or_all().to(keys.device)
+        sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
+        # the sinks (kept anyway) stay out of the softmax, as in the paper's code
+        normalized = valid & ~sinks if bool((valid & ~sinks).any(dim=-1).all()) else valid
+        normalized = normalized.repeat_interleave(group, dim=0)
+        probs = torch.softmax(logits.masked_fill(~normalized, float("-inf")), dim=-1)
         scores = probs.view(h, group, t).mean(dim=1)
         if self.use_vnorm:
             assert obs.values is not None
             scores = (scores + self.epsilon) * torch.linalg.vector_norm(
                 obs.values.detach().double(), dim=-1
             )
-        sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
-        return scores.masked_fill(sinks & inputs.valid_or_all().to(keys.device), float("inf"))
+        return scores.masked_fill(sinks & valid, float("inf"))

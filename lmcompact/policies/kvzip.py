@@ -159,11 +159,10 @@ class KVzip(ScorePolicy):
         # pooling makes a peak's neighbours tie with it; the raw score breaks such ties
         return (pooled + raw * 1e-6).masked_fill(sinks, float("inf"))
 
-    def plan(self, inputs: CompactionInputs) -> KeepPlan:
+    def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
         if self.allocation == "head":
-            return super().plan(inputs)
-        self.check_inputs(inputs)
-        scores = torch.stack([s.detach().double().cpu() for s in self.score_all(inputs)])
+            return super().plan_scored(inputs, scores)
+        stacked = torch.stack([s.detach().double().cpu() for s in scores])
         valid = None if inputs.valid is None else inputs.valid.cpu()
-        masks = global_keep_mask(scores, self.keep_count(inputs), valid, share=self.share)
+        masks = global_keep_mask(stacked, self.keep_count(inputs), valid, share=self.share)
         return KeepPlan.from_masks(masks)

@@ -26,7 +26,10 @@ stretch of a stored context is emptied, which matters when the questions that wi
 reuse it are unknown. Keys loaded from the store before the span are not scored (not
 in the copied pages): their share of each query's softmax is missing, a constant
 factor per query that changes the max aggregation little. Candidates carry absolute
-positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's.
+positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's. A
+policy whose scores depend on every key scored together (``ScorePolicy.span_scores``:
+Expected Attention's softmax) is scored once over the whole span and each chunk planned
+from its slice.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores, window_scores
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
+from lmcompact.policies.base import ScorePolicy
 from lmcompact.store import ChunkKey, CompactedChunk
 from lmcompact.store.transfer import PendingCopy
 from lmcompact.vllm.chunks import (
@@ -308,9 +312,9 @@ def compact_job(
             )
         )
     heads = per_layer[0][0].shape[0]
-    out: list[tuple[ChunkKey, CompactedChunk]] = []
-    for c, key in enumerate(job.keys):
-        lo, hi = c * chunk_size, (c + 1) * chunk_size
+
+    def span_inputs(lo: int, hi: int) -> CompactionInputs:
+        """The policy's inputs for tokens ``[lo, hi)`` of the span."""
         layers = [
             LayerObservation(
                 keys=k[:, lo:hi],
@@ -326,18 +330,32 @@ def compact_job(
             )
             for (k, v), obs in zip(per_layer, observations, strict=True)
         ]
-        positions = torch.arange(job.start + lo, job.start + hi).expand(heads, -1)
-        inputs = CompactionInputs(
-            chunk_size,
+        return CompactionInputs(
+            hi - lo,
             heads,
             layers,
-            positions=positions,
+            positions=torch.arange(job.start + lo, job.start + hi).expand(heads, -1),
             budget_tokens=kept_per_chunk,
             query_positions=stats_positions if wants_queries else window_positions,
             rope=job.rope,
             attention_scale=job.scale,
         )
-        plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
+
+    compacts = kept_per_chunk < chunk_size
+    span: list[torch.Tensor] | None = None
+    if compacts and isinstance(policy, ScorePolicy) and policy.span_scores:
+        whole = span_inputs(0, job.num_tokens)
+        policy.check_inputs(whole)
+        span = policy.score_all(whole)  # one softmax over the whole span (Expected Attention)
+    out: list[tuple[ChunkKey, CompactedChunk]] = []
+    for c, key in enumerate(job.keys):
+        lo, hi = c * chunk_size, (c + 1) * chunk_size
+        inputs = span_inputs(lo, hi)
+        plan = None
+        if span is not None:
+            plan = policy.plan_scored(inputs, [scores[:, lo:hi] for scores in span])
+        elif compacts:
+            plan = policy.plan(inputs)
         if plan is not None:
             plan = plan.with_recent(recent_layers, kept_per_chunk)
         out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))

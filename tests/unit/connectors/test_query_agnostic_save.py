@@ -9,7 +9,7 @@ import torch
 
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores
-from lmcompact.policies import make_policy
+from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
 from lmcompact.store import ChunkKeyer, StoreNamespace
 from lmcompact.vllm.compaction import SaveJob, compact_job
 from lmcompact.vllm.config import ConnectorConfig
@@ -142,3 +142,67 @@ def test_engine_checks_accept_both_and_need_a_window() -> None:
         assert "window must be >= 1" in str(error)
     else:  # pragma: no cover
         raise AssertionError("window 0 was accepted for expected_attention")
+
+
+def test_expected_attention_chunks_rank_by_the_whole_span() -> None:
+    """Each chunk keeps the top of its slice of the scores computed over the whole span
+    (one softmax per query head over every key), not of scores normalized per chunk."""
+    policy = make_policy(
+        "expected_attention", budget=0.25, n_sink=2, n_future_positions=16, max_queries=64
+    )
+    positions = torch.cat([policy.context_queries(192), torch.arange(184, 192)]).unique()
+    generator = torch.Generator().manual_seed(5)
+    queries = [torch.randn(positions.numel(), 2 * H, D, generator=generator) for _ in range(LAYERS)]
+    for q in queries:
+        q[:, 0] *= 4.0  # the two query heads of a group differ in how peaked they are
+    job, layout, keys = _job(queries, positions, window=8)
+    for k in keys:  # keys of the last chunk read strongly by the peaked head
+        k[:, 128:] *= 3.0
+    job.pages = [
+        layout.tokens_to_pages(k, layout.pages_to_tokens(p)[1])
+        for k, p in zip(keys, job.pages, strict=True)
+    ]
+    chunks = compact_job(job, layout, policy, CHUNK, 8)
+    whole = CompactionInputs(
+        192,
+        H,
+        [
+            LayerObservation(
+                keys=k,
+                values=layout.pages_to_tokens(p)[1][:, :192],
+                window_queries=q.permute(1, 0, 2),
+            )
+            for k, p, q in zip(keys, job.pages, queries, strict=True)
+        ],
+        query_positions=positions,
+        attention_scale=job.scale,
+    )
+    span = policy.score_all(whole)
+    per_chunk_differs = False
+    for c, (_, chunk) in enumerate(chunks):
+        lo = c * CHUNK
+        alone = policy.score_all(
+            CompactionInputs(
+                CHUNK,
+                H,
+                [
+                    LayerObservation(
+                        keys=o.keys[:, lo : lo + CHUNK],
+                        values=o.values[:, lo : lo + CHUNK],
+                        window_queries=o.window_queries,
+                    )  # type: ignore[index]
+                    for o in whole.layers
+                ],
+                positions=torch.arange(lo, lo + CHUNK).expand(H, -1),
+                query_positions=positions,
+                attention_scale=job.scale,
+            )
+        )
+        for layer in range(LAYERS):
+            for head in range(H):
+                kept = set(chunk.head(layer, head)[2].tolist())
+                best = torch.topk(span[layer][head, lo : lo + CHUNK], 8).indices.tolist()
+                assert kept == set(best)
+                own = set(torch.topk(alone[layer][head], 8).indices.tolist())
+                per_chunk_differs |= own != kept
+    assert per_chunk_differs  # the test would catch per-chunk normalization
