@@ -343,17 +343,18 @@ def compact_job(
 
     compacts = kept_per_chunk < chunk_size
     span: list[torch.Tensor] | None = None
-    if compacts and isinstance(policy, ScorePolicy) and policy.span_scores:
+    scorer = policy if isinstance(policy, ScorePolicy) and policy.span_scores else None
+    if compacts and scorer is not None:
         whole = span_inputs(0, job.num_tokens)
-        policy.check_inputs(whole)
-        span = policy.score_all(whole)  # one softmax over the whole span (Expected Attention)
+        scorer.check_inputs(whole)
+        span = scorer.score_all(whole)  # one softmax over the whole span (Expected Attention)
     out: list[tuple[ChunkKey, CompactedChunk]] = []
     for c, key in enumerate(job.keys):
         lo, hi = c * chunk_size, (c + 1) * chunk_size
         inputs = span_inputs(lo, hi)
         plan = None
-        if span is not None:
-            plan = policy.plan_scored(inputs, [scores[:, lo:hi] for scores in span])
+        if span is not None and scorer is not None:
+            plan = scorer.plan_scored(inputs, [scores[:, lo:hi] for scores in span])
         elif compacts:
             plan = policy.plan(inputs)
         if plan is not None:

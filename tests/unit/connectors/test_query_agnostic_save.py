@@ -10,6 +10,7 @@ import torch
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+from lmcompact.policies.expected_attention import ExpectedAttention
 from lmcompact.store import ChunkKeyer, StoreNamespace
 from lmcompact.vllm.compaction import SaveJob, compact_job
 from lmcompact.vllm.config import ConnectorConfig
@@ -147,10 +148,10 @@ def test_engine_checks_accept_both_and_need_a_window() -> None:
 def test_expected_attention_chunks_rank_by_the_whole_span() -> None:
     """Each chunk keeps the top of its slice of the scores computed over the whole span
     (one softmax per query head over every key), not of scores normalized per chunk."""
-    policy = make_policy(
-        "expected_attention", budget=0.25, n_sink=2, n_future_positions=16, max_queries=64
-    )
-    positions = torch.cat([policy.context_queries(192), torch.arange(184, 192)]).unique()
+    policy = ExpectedAttention(budget=0.25, n_sink=2, n_future_positions=16, max_queries=64)
+    sampled = policy.context_queries(192)
+    assert sampled is not None
+    positions = torch.cat([sampled, torch.arange(184, 192)]).unique()
     generator = torch.Generator().manual_seed(5)
     queries = [torch.randn(positions.numel(), 2 * H, D, generator=generator) for _ in range(LAYERS)]
     for q in queries:
@@ -187,11 +188,11 @@ def test_expected_attention_chunks_rank_by_the_whole_span() -> None:
                 H,
                 [
                     LayerObservation(
-                        keys=o.keys[:, lo : lo + CHUNK],
-                        values=o.values[:, lo : lo + CHUNK],
-                        window_queries=o.window_queries,
-                    )  # type: ignore[index]
-                    for o in whole.layers
+                        keys=k[:, lo : lo + CHUNK],
+                        values=layout.pages_to_tokens(p)[1][:, lo : lo + CHUNK],
+                        window_queries=q.permute(1, 0, 2),
+                    )
+                    for k, p, q in zip(keys, job.pages, queries, strict=True)
                 ],
                 positions=torch.arange(lo, lo + CHUNK).expand(H, -1),
                 query_positions=positions,
