@@ -10,6 +10,7 @@ import torch
 from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+from lmcompact.policies.budget import Budget
 from lmcompact.policies.expected_attention import ExpectedAttention
 from lmcompact.store import ChunkKeyer, StoreNamespace
 from lmcompact.vllm.compaction import SaveJob, compact_job
@@ -148,7 +149,7 @@ def test_engine_checks_accept_both_and_need_a_window() -> None:
 def test_expected_attention_chunks_rank_by_the_whole_span() -> None:
     """Each chunk keeps the top of its slice of the scores computed over the whole span
     (one softmax per query head over every key), not of scores normalized per chunk."""
-    policy = ExpectedAttention(budget=0.25, n_sink=2, n_future_positions=16, max_queries=64)
+    policy = ExpectedAttention(Budget(ratio=0.25), n_sink=2, n_future_positions=16, max_queries=64)
     sampled = policy.context_queries(192)
     assert sampled is not None
     positions = torch.cat([sampled, torch.arange(184, 192)]).unique()
