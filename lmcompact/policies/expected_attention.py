@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.plan import KeepPlan
+from lmcompact.policies._select import pool_scores
+from lmcompact.policies.allocation import global_keep_mask
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 from lmcompact.policies.kvzip import sample_query_positions
 
@@ -76,6 +79,11 @@ class ExpectedAttention(ScorePolicy):
         epsilon: Added to the normalized scores before the value-norm product.
         queries: Where the statistics come from: ``"prompt"`` or ``"window"``.
         max_queries: Most prompt queries sampled with ``"prompt"`` (>= 32).
+        kernel_size: Max-pool width of the scores along the sequence, odd (1: none).
+        share: One token set for every (layer, head): the tokens that a global top-k
+            over every (layer, head, token) picks in the most heads
+            (:func:`lmcompact.policies.allocation.global_keep_mask`); per-head choices
+            keep one digit of a number here and another there.
     """
 
     name = "expected_attention"
@@ -90,6 +98,8 @@ class ExpectedAttention(ScorePolicy):
     epsilon: float = 0.0
     queries: str = "prompt"
     max_queries: int = 1024
+    kernel_size: int = 1
+    share: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +113,8 @@ class ExpectedAttention(ScorePolicy):
             raise ValueError(
                 f"queries must be one of {', '.join(QUERY_SOURCES)}, got {self.queries!r}"
             )
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
         if self.max_queries < SAMPLE_TAIL:
             raise ValueError(f"max_queries must be >= {SAMPLE_TAIL}, got {self.max_queries}")
 
@@ -170,4 +182,16 @@ class ExpectedAttention(ScorePolicy):
             scores = (scores + self.epsilon) * torch.linalg.vector_norm(
                 obs.values.detach().double(), dim=-1
             )
+        if self.kernel_size > 1:
+            raw = scores.masked_fill(~valid, 0.0)
+            scores = pool_scores(raw, self.kernel_size, "maxpool") + raw * 1e-6
         return scores.masked_fill(sinks & valid, float("inf"))
+
+    def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
+        if not self.share:
+            return super().plan_scored(inputs, scores)
+        stacked = torch.stack([s.detach().double().cpu() for s in scores])
+        valid = None if inputs.valid is None else inputs.valid.cpu()
+        return KeepPlan.from_masks(
+            global_keep_mask(stacked, self.keep_count(inputs), valid, share=True)
+        )

@@ -7,6 +7,7 @@ import torch
 
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
 from lmcompact.policies.allocation import global_keep_mask, rank_fraction
+from lmcompact.policies.base import ScorePolicy
 
 
 def _kept(mask: torch.Tensor, layer: int, head: int) -> list[int]:
@@ -100,3 +101,31 @@ def test_kvzip_global_allocation_plans_through_the_mask() -> None:
     assert [p.tolist() for p in shared.kept[0]] == [[4, 5]] * 3
     with pytest.raises(ValueError, match=r"allocation must be one of head, global, got 'x'"):
         make_policy("kvzip", allocation="x")
+
+
+def test_expected_attention_share_keeps_one_token_set() -> None:
+    generator = torch.Generator().manual_seed(3)
+    layers, heads, t, d = 2, 2, 24, 8
+    observations = [
+        LayerObservation(
+            keys=torch.randn(heads, t, d, generator=generator),
+            values=torch.randn(heads, t, d, generator=generator),
+            window_queries=torch.randn(2 * heads, 6, d, generator=generator),
+        )
+        for _ in range(layers)
+    ]
+    inputs = CompactionInputs(t, heads, observations, query_positions=torch.arange(t - 6, t))
+    params = {"budget": 6, "n_sink": 1, "n_future_positions": 4}
+    own = make_policy("expected_attention", **params).plan(inputs)
+    rows = {tuple(r.tolist()) for layer in own.kept for r in layer}
+    assert len(rows) > 1  # per head, the heads differ
+    shared = make_policy("expected_attention", share=True, **params).plan(inputs)
+    rows = {tuple(r.tolist()) for layer in shared.kept for r in layer}
+    assert len(rows) == 1 and next(iter(rows))[0] == 0  # one set, with the sink
+    pooled = make_policy("expected_attention", kernel_size=5, **params)
+    plain = make_policy("expected_attention", **params)
+    assert isinstance(pooled, ScorePolicy) and isinstance(plain, ScorePolicy)
+    scores, before = pooled.score(inputs, 0), plain.score(inputs, 0)
+    assert bool((scores[:, 1:] >= before[:, 1:]).all())  # a max-pool never lowers a score
+    with pytest.raises(ValueError, match=r"kernel_size must be an odd integer >= 1, got 4"):
+        make_policy("expected_attention", kernel_size=4)
