@@ -55,7 +55,11 @@ TIERS = ("cpu", "redis")
 CUDA_GRAPHS = ("piecewise", "full")
 """Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
 
-POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"snapkv": {"kernel_size": 15}}
+POLICY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "snapkv": {"kernel_size": 15},
+    "kvzip": {"allocation": "global", "share": True, "kernel_size": 15},
+    "expected_attention": {"share": True, "kernel_size": 15},
+}
 """The connector's defaults for a policy's hyper-parameters where they differ from the
 policy class's own (the paper's); ``policy_params`` override them key by key.
 
@@ -66,7 +70,16 @@ per cell, ``docs/eval/RESULTS.md``): kernel 15 kept the full cache's accuracy in
 cells of the single-fact ``needle`` task in place; kernel 7 lost a question in place on
 Gemma-3 at 2k and at 4k and on Gemma's 2k needle (a 5-digit answer with a digit dropped: a
 pool of 7 around a peak inside the number does not cover the number and the words before
-it)."""
+it).
+
+kvzip and expected_attention keep one token set for every (layer, head) here (``share``),
+chosen by a global top-k over every (layer, head, token) of a chunk (kvzip's
+``allocation="global"``; :mod:`lmcompact.policies.allocation`), max-pooled over 15 tokens:
+the store holds one count per (layer, head) and chunk, and per-head choices under that count
+dropped digits of the numbers (KVzip's reconstruction with per-head top-k: 0 of 15 on
+SmolLM2 2k ``multi_needle`` at 0.5 and 0.25; with these defaults 15 of 15 at both, as kvpress's
+``KVzipPress``; expected_attention 5 / 1 of 15 against kvpress's 4 / 0;
+``docs/eval/RESULTS.md``)."""
 
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
