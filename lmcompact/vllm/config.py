@@ -57,7 +57,6 @@ CUDA_GRAPHS = ("piecewise", "full")
 
 POLICY_DEFAULTS: dict[str, dict[str, Any]] = {
     "snapkv": {"kernel_size": 15},
-    "kvzip": {"allocation": "global", "share": True, "kernel_size": 15},
     "expected_attention": {"share": True, "kernel_size": 15},
 }
 """The connector's defaults for a policy's hyper-parameters where they differ from the
@@ -72,14 +71,17 @@ Gemma-3 at 2k and at 4k and on Gemma's 2k needle (a 5-digit answer with a digit 
 pool of 7 around a peak inside the number does not cover the number and the words before
 it).
 
-kvzip and expected_attention keep one token set for every (layer, head) here (``share``),
-chosen by a global top-k over every (layer, head, token) of a chunk (kvzip's
-``allocation="global"``; :mod:`lmcompact.policies.allocation`), max-pooled over 15 tokens:
-the store holds one count per (layer, head) and chunk, and per-head choices under that count
-dropped digits of the numbers (KVzip's reconstruction with per-head top-k: 0 of 15 on
-SmolLM2 2k ``multi_needle`` at 0.5 and 0.25; with these defaults 15 of 15 at both, as kvpress's
-``KVzipPress``; expected_attention 5 / 1 of 15 against kvpress's 4 / 0;
-``docs/eval/RESULTS.md``)."""
+expected_attention keeps one token set for every (layer, head) here (``share``), the
+tokens a global top-k over every (layer, head, token) of a chunk picks in the most heads
+(:mod:`lmcompact.policies.allocation`), max-pooled over 15 tokens: the store holds one count
+per (layer, head) and chunk, and per-head choices under that count dropped digits of the
+numbers (SmolLM2 2k ``multi_needle``, save path: 5 / 1 of 15 at 0.5 / 0.25 against 1-2 / 0
+per head and kvpress's 4 / 0; Gemma-3-270m 2k 4 / 1; ``docs/eval/RESULTS.md``). kvzip keeps
+the class defaults (per head): ``{"allocation": "global", "share": true, "kernel_size": 15}``
+with the reconstruction request gave 15 / 15 at both budgets on SmolLM2 2k (kvpress's
+``KVzipPress`` too) and 10 / 10 of 15 on Gemma 2k, but lost a question that the per-head
+single pass kept on ``tests/integration/vllm/test_agnostic_store.py``'s context, so it is
+an option, not the default."""
 
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES

@@ -189,18 +189,17 @@ def test_snapkv_pools_over_15_by_default_in_the_connector() -> None:
     assert knorm.effective_params == {}
 
 
-def test_query_agnostic_policies_share_one_token_set_by_default_in_the_connector() -> None:
-    """kvzip and expected_attention run shared, globally allocated and pooled over 15 in
-    the connector (POLICY_DEFAULTS, measured in docs/eval/RESULTS.md); policy_params
-    override them, and the class defaults stay the papers' per-head choice."""
-    kvzip = ConnectorConfig.from_extra({"policy": "kvzip", "budget": 0.25}).make_policy()
-    assert kvzip.params()["allocation"] == "global" and kvzip.params()["share"] is True
-    assert kvzip.params()["kernel_size"] == 15
+def test_expected_attention_shares_one_token_set_by_default_in_the_connector() -> None:
+    """expected_attention runs shared and pooled over 15 in the connector (POLICY_DEFAULTS,
+    measured in docs/eval/RESULTS.md); policy_params override it; kvzip and the class keep
+    their per-head defaults."""
     ea = ConnectorConfig.from_extra({"policy": "expected_attention", "budget": 0.25})
     assert ea.make_policy().params()["share"] is True
     assert ea.namespace_params() == {"share": True, "kernel_size": 15, "budget": 0.25}
     per_head = ConnectorConfig.from_extra(
-        {"policy": "kvzip", "budget": 0.25, "policy_params": {"allocation": "head", "share": False}}
+        {"policy": "expected_attention", "budget": 0.25, "policy_params": {"share": False}}
     ).make_policy()
-    assert per_head.params()["allocation"] == "head" and per_head.params()["share"] is False
-    assert make_policy("kvzip").params()["allocation"] == "head"
+    assert per_head.params()["share"] is False and per_head.params()["kernel_size"] == 15
+    kvzip = ConnectorConfig.from_extra({"policy": "kvzip", "budget": 0.25}).make_policy()
+    assert kvzip.params()["allocation"] == "head" and kvzip.params()["share"] is False
+    assert make_policy("expected_attention").params()["share"] is False
