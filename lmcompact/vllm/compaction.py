@@ -25,8 +25,8 @@ a hole of ``n * (C - K)`` tokens computed from ``n`` alone (``SchedulerHalf._sta
 stretch of a stored context is emptied, which matters when the questions that will
 reuse it are unknown. Inside a chunk a policy may still rank across layers and heads
 (kvzip's ``allocation="global"``: a global top-k projected onto the one count,
-:mod:`lmcompact.policies.allocation`). Keys loaded from the store before the span are not scored (not
-in the copied pages): their share of each query's softmax is missing, a constant
+:mod:`lmcompact.policies.allocation`). Keys loaded from the store before the span are
+not scored (not in the copied pages): their share of each query's softmax is missing, a constant
 factor per query that changes the max aggregation little. Candidates carry absolute
 positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's. A
 policy whose scores depend on every key scored together (``ScorePolicy.span_scores``:
