@@ -28,7 +28,7 @@ def _log_unrotated() -> None:
     global _unrotated_logged
     _unrotated_logged = True
     logger.info(
-        "expected_attention: no RoPE facts from the integration; the window queries' "
+        "expected_attention: no RoPE facts from the integration; the queries' "
         "statistics are used without rotating them to future positions"
     )
 
