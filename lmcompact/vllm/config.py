@@ -78,11 +78,10 @@ per (layer, head) and chunk, and per-head choices under that count dropped digit
 numbers (SmolLM2 2k ``multi_needle``, save path: 5 / 1 of 15 at 0.5 / 0.25 against 1-2 / 0
 per head and kvpress's 4 / 0; Gemma-3-270m 2k 4 / 1; ``docs/eval/RESULTS.md``). kvzip keeps
 the class defaults (per head): ``{"allocation": "global", "share": true, "kernel_size": 15}``
-with the reconstruction request gave 15 / 15 at both budgets on SmolLM2 2k (kvpress's
-``KVzipPress`` too) and 10 / 10 of 15 on Gemma 2k, but 11 / 6 of 15 on SmolLM2 4k (fewer
-than the mean shared set) and it lost a question that the per-head single pass kept on
-``tests/integration/vllm/test_agnostic_store.py``'s context, so it is an option, not the
-default."""
+with the reconstruction request kept 8 / 5 of 15 on SmolLM2 2k (the mean-score shared set
+13 / 7, kvpress's ``KVzipPress`` 15 / 15), 10 / 10 on Gemma 2k and 11 / 6 on SmolLM2 4k, and
+lost a question the per-head single pass kept on
+``tests/integration/vllm/test_agnostic_store.py``'s context: an option, not the default."""
 
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
