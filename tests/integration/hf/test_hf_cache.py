@@ -265,8 +265,8 @@ def test_expected_attention_plans_are_the_connectors(
     ((_, chunk),) = compact_job(job, layout, policy, PROMPT_TOKENS, PROMPT_TOKENS // 2)
     hf = cache.plans[0]
     differ = 0
-    for layer in range(len(captured)):
+    for index in range(len(captured)):
         for head in range(chunk.num_kv_heads):
-            ours = set(chunk.head(layer, head)[2].tolist())
-            differ += len(ours ^ set(hf.kept[layer][head].tolist()))
+            ours = set(chunk.head(index, head)[2].tolist())
+            differ += len(ours ^ set(hf.kept[index][head].tolist()))
     assert differ == 0
