@@ -247,8 +247,9 @@ class CompactingCache(Cache):
 
     # ---------------------------------------------------------------- helpers
     def context_positions(self, length: int) -> torch.Tensor | None:
-        """``(S,)`` prompt positions whose queries make the context scores, or None."""
-        if Need.CONTEXT_SCORES not in self.needs:
+        """``(S,)`` prompt positions whose queries make the context scores (or join the
+        window queries), or None."""
+        if not self.needs & (Need.CONTEXT_SCORES | Need.WINDOW_QUERIES):
             return None
         return self.context_sampler.context_queries(length)
 

@@ -45,8 +45,10 @@ def plan_prefill(cache: CompactingCache, b: int, length: int) -> KeepPlan:
             )
         )
         if obs.window_queries is not None:
-            w = obs.window_queries.shape[2]
-            query_positions = torch.arange(length - w, length)
+            query_positions = obs.query_positions
+            if query_positions is None:
+                query_positions = torch.arange(length - obs.window_queries.shape[2], length)
+    observations, query_positions = _policy_queries(cache, observations, query_positions, length)
     special = punct = None
     if cache.classifier is not None:
         if cache._prompt_ids is None or cache._prompt_ids.shape[-1] != length:
@@ -65,6 +67,29 @@ def plan_prefill(cache: CompactingCache, b: int, length: int) -> KeepPlan:
     plan = cache.policy.plan(inputs)
     plan.validate_for(cache.num_layers, cache.num_kv_heads, length)
     return plan
+
+
+def _policy_queries(
+    cache: CompactingCache,
+    observations: list[LayerObservation],
+    positions: torch.Tensor | None,
+    length: int,
+) -> tuple[list[LayerObservation], torch.Tensor | None]:
+    """The recorded window queries cut to what this cache's policy reads: the last
+    ``window_size`` positions and the policy's ``context_queries`` (a fork's recording
+    may hold more)."""
+    if positions is None:
+        return observations, None
+    wanted = positions >= length - cache.window_size
+    sampled = cache.policy.context_queries(length)
+    if sampled is not None:
+        wanted |= torch.isin(positions, sampled)
+    if bool(wanted.all()):
+        return observations, positions
+    for obs in observations:
+        if obs.window_queries is not None:
+            obs.window_queries = obs.window_queries[:, wanted.to(obs.window_queries.device)]
+    return observations, positions[wanted]
 
 
 def replan_layer(
@@ -104,7 +129,9 @@ def replan_layer(
 
 
 def tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
-    """The observation of the last ``window`` queries of a recorded longer window."""
+    """The observation of the last ``window`` queries of a recorded longer window (the
+    window queries stay whole, with their positions: :func:`plan_prefill` cuts them to
+    what the fork's policy reads)."""
     assert obs.window_attention is not None
     rows = obs.window_attention[:, :, -window:]
     return PrefillObservation(
@@ -112,5 +139,6 @@ def tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
         window_attention=rows,
         cumulative_scores=obs.cumulative_scores,
         context_scores=obs.context_scores,
-        window_queries=None if obs.window_queries is None else obs.window_queries[:, :, -window:],
+        window_queries=obs.window_queries,
+        query_positions=obs.query_positions,
     )

@@ -37,7 +37,9 @@ class PrefillObservation:
         cumulative_scores: ``(B, Hkv, T)`` mass over every prompt query, or None.
         context_scores: ``(B, Hkv, T)`` max softmax weight over the sampled prompt
             queries (KVzip-style), or None.
-        window_queries: ``(B, Hq, W, D)`` post-RoPE window queries, or None.
+        window_queries: ``(B, Hq, W, D)`` post-RoPE queries of the window (and of the
+            sampled ``context_positions``), or None.
+        query_positions: ``(W,)`` prompt positions of ``window_queries`` (sorted), or None.
     """
 
     window_scores: torch.Tensor | None = None
@@ -45,6 +47,7 @@ class PrefillObservation:
     cumulative_scores: torch.Tensor | None = None
     context_scores: torch.Tensor | None = None
     window_queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
 
 
 def observe_prefill(
@@ -70,7 +73,9 @@ def observe_prefill(
             ``observe_context_s`` and ``observe_s`` are incremented by the seconds spent.
         context_positions: ``(S,)`` positions of the prompt queries that make the
             context scores (the policy's ``context_queries``), when ``needs`` has
-            ``CONTEXT_SCORES``: the same sample the vLLM connector captures.
+            ``CONTEXT_SCORES``: the same sample the vLLM connector captures. With
+            ``WINDOW_QUERIES`` their queries join the window's (Expected Attention's
+            statistics).
         context_shift: The policy's ``context_shift`` (used when ``rope`` is known,
             else the context scores are causal, as in the connector).
         rope: The model's RoPE, or None.
@@ -88,7 +93,11 @@ def observe_prefill(
         obs.window_scores = mass
         obs.window_attention = rows
     if Need.WINDOW_QUERIES in needs:
-        obs.window_queries = queries[:, :, t - max(1, min(window, t)) :]
+        rows = torch.arange(t - max(1, min(window, t)), t)
+        if context_positions is not None:
+            rows = torch.cat([context_positions.cpu(), rows]).unique()
+        obs.window_queries = queries[:, :, rows.to(queries.device)]
+        obs.query_positions = rows
     middle = time.perf_counter()
     if Need.CUMULATIVE_SCORES in needs:
         obs.cumulative_scores = cumulative_scores(queries, keys, scale=scale)

@@ -221,13 +221,23 @@ class ScorePolicy(CompactionPolicy):
     resolution live here so a method is a few lines (StreamingLLM, KNorm, ...).
     """
 
+    span_scores: ClassVar[bool] = False
+    """True when a key's score depends on the other keys scored with it (a softmax over
+    them): an integration that plans a prompt in chunks (the vLLM save path) scores the
+    whole span once (:meth:`score_all`) and plans each chunk from its slice
+    (:meth:`plan_scored`)."""
+
     @abstractmethod
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
         """``(H, T)`` float scores for ``layer``; +inf forces a keep."""
 
     def plan(self, inputs: CompactionInputs) -> KeepPlan:
         self.check_inputs(inputs)
-        scores = self.score_all(inputs)
+        return self.plan_scored(inputs, self.score_all(inputs))
+
+    def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
+        """The plan from per-layer ``(H, T)`` ``scores`` of ``inputs`` (:meth:`score_all`'s,
+        or a slice of a longer span's); top-k per (layer, head) by default."""
         return plan_from_scores(self, inputs, scores)
 
     def score_all(self, inputs: CompactionInputs) -> list[torch.Tensor]:

@@ -8,9 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.plan import KeepPlan
+from lmcompact.policies._select import pool_scores
+from lmcompact.policies.allocation import global_keep_mask
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+from lmcompact.policies.kvzip import sample_query_positions
 
 logger = logging.getLogger(__name__)
+
+QUERY_SOURCES = ("prompt", "window")
+SAMPLE_TAIL = 32
+"""Last prompt positions always in the ``"prompt"`` sample (KVzip's default tail, so the
+transformers eval's recorded sample serves both policies)."""
 
 _unrotated_logged = False
 
@@ -19,7 +28,7 @@ def _log_unrotated() -> None:
     global _unrotated_logged
     _unrotated_logged = True
     logger.info(
-        "expected_attention: no RoPE facts from the integration; the window queries' "
+        "expected_attention: no RoPE facts from the integration; the queries' "
         "statistics are used without rotating them to future positions"
     )
 
@@ -31,7 +40,7 @@ class ExpectedAttention(ScorePolicy):
     Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention
     from Future Queries Distribution", https://arxiv.org/abs/2510.00636. Future
     queries are modelled per query head as a Gaussian ``q ~ N(mu, Sigma)`` estimated
-    from the observation window's queries; then ``E[exp(scale q.k)] = exp(scale mu.k
+    from prompt queries; then ``E[exp(scale q.k)] = exp(scale mu.k
     + scale^2 k^T Sigma k / 2)``, normalized over the keys (a softmax), averaged over
     the query heads of each KV group and multiplied by ``||v||`` (plus ``epsilon``).
 
@@ -42,9 +51,25 @@ class ExpectedAttention(ScorePolicy):
     ``mu' = M mu``, ``Sigma' = M Sigma M^T``), as the paper does. Without a rope the
     post-RoPE statistics are used as they are (logged once).
 
+    Which queries: with ``queries="prompt"`` (default, as the paper and kvpress, which
+    take every context query) a sample across the whole prompt (:meth:`context_queries`:
+    every position up to ``max_queries``, else evenly spaced ones plus the last 32) next to
+    the observation window; the integration captures them where the prefill computes
+    them (the vLLM worker copies them with the window; transformers slices them from the
+    prefill's queries). The first ``n_sink`` positions are left out of the statistics
+    (their queries are outliers). With ``queries="window"`` only the observation window
+    (the prompt's last ``window`` queries): on a stored prefix that is the end of the
+    context, a narrow estimate of what later questions ask. Cost of ``"prompt"``: the
+    captured queries, ``S x Hq x D`` floats per layer (S <= ``max_queries``; 70 MiB for
+    SmolLM2's 30 layers at 1024), and ``O(S Hq D^2)`` for the covariance; no attention.
+
     Shapes: window_queries ``(Hq, W, D)``, query_positions ``(W,)``, keys / values
     ``(H, T, D)`` -> scores ``(H, T)``; the first ``n_sink`` positions score +inf.
-    Needs no attention over the prompt, so it works on any chunk of keys alone.
+    Needs no attention over the prompt. The softmax runs over every non-sink key it is
+    given (``span_scores``: the vLLM save path scores the whole saved span at once and
+    plans each chunk from its slice, so a chunk's ranking is the whole context's, as in
+    the paper's code, where the group mean weighs each query head by its softmax over all
+    keys).
 
     Attributes:
         n_future_positions: Future positions the rotation is averaged over.
@@ -52,17 +77,29 @@ class ExpectedAttention(ScorePolicy):
         use_covariance: Include the ``k^T Sigma k`` term.
         use_vnorm: Multiply by the value norm.
         epsilon: Added to the normalized scores before the value-norm product.
+        queries: Where the statistics come from: ``"prompt"`` or ``"window"``.
+        max_queries: Most prompt queries sampled with ``"prompt"`` (>= 32).
+        kernel_size: Max-pool width of the scores along the sequence, odd (1: none).
+        share: One token set for every (layer, head): the tokens that a global top-k
+            over every (layer, head, token) picks in the most heads
+            (:func:`lmcompact.policies.allocation.global_keep_mask`); per-head choices
+            keep one digit of a number here and another there.
     """
 
     name = "expected_attention"
     needs = Need.KEYS | Need.WINDOW_QUERIES
     phases = Phase.PREFILL
+    span_scores = True
 
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    queries: str = "prompt"
+    max_queries: int = 1024
+    kernel_size: int = 1
+    share: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,14 +109,36 @@ class ExpectedAttention(ScorePolicy):
             raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
         if self.epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.queries not in QUERY_SOURCES:
+            raise ValueError(
+                f"queries must be one of {', '.join(QUERY_SOURCES)}, got {self.queries!r}"
+            )
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
+        if self.max_queries < SAMPLE_TAIL:
+            raise ValueError(f"max_queries must be >= {SAMPLE_TAIL}, got {self.max_queries}")
+
+    def context_queries(self, length: int) -> torch.Tensor | None:
+        """``(S,)`` prompt positions whose queries make the statistics (besides the
+        window); None with ``queries="window"``."""
+        if self.queries == "window":
+            return None
+        return sample_query_positions(length, self.max_queries, SAMPLE_TAIL)
 
     def query_statistics(
         self, queries: torch.Tensor, inputs: CompactionInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mean ``(Hq, D)`` and covariance ``(Hq, D, D)`` of the future queries (float64)."""
+        """Mean ``(Hq, D)`` and covariance ``(Hq, D, D)`` of the future queries (float64).
+
+        ``queries`` ``(Hq, W, D)`` at ``inputs.query_positions``; those before ``n_sink``
+        are left out (unless no other is given).
+        """
         q = queries.detach().double()
         positions = inputs.query_positions
         assert positions is not None  # check_inputs ran
+        late = positions >= self.n_sink
+        if bool(late.any()) and not bool(late.all()):
+            q, positions = q[:, late.to(q.device)], positions[late]
         rope = inputs.rope
         if rope is not None:
             q = rope.rotate(q, -positions.to(q.device).double())
@@ -111,13 +170,28 @@ class ExpectedAttention(ScorePolicy):
         logits = scale * torch.einsum("htd,hd->ht", k, mu)
         if cov is not None:
             logits = logits + scale**2 / 2 * ((k @ cov) * k).sum(dim=-1)
-        valid = inputs.valid_or_all().to(keys.device).repeat_interleave(group, dim=0)
-        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+        valid = inputs.valid_or_all().to(keys.device)
+        sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
+        # the sinks (kept anyway) stay out of the softmax, as in the paper's code
+        normalized = valid & ~sinks if bool((valid & ~sinks).any(dim=-1).all()) else valid
+        normalized = normalized.repeat_interleave(group, dim=0)
+        probs = torch.softmax(logits.masked_fill(~normalized, float("-inf")), dim=-1)
         scores = probs.view(h, group, t).mean(dim=1)
         if self.use_vnorm:
             assert obs.values is not None
             scores = (scores + self.epsilon) * torch.linalg.vector_norm(
                 obs.values.detach().double(), dim=-1
             )
-        sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
-        return scores.masked_fill(sinks & inputs.valid_or_all().to(keys.device), float("inf"))
+        if self.kernel_size > 1:
+            raw = scores.masked_fill(~valid, 0.0)
+            scores = pool_scores(raw, self.kernel_size, "maxpool") + raw * 1e-6
+        return scores.masked_fill(sinks & valid, float("inf"))
+
+    def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
+        if not self.share:
+            return super().plan_scored(inputs, scores)
+        stacked = torch.stack([s.detach().double().cpu() for s in scores])
+        valid = None if inputs.valid is None else inputs.valid.cpu()
+        return KeepPlan.from_masks(
+            global_keep_mask(stacked, self.keep_count(inputs), valid, share=True)
+        )

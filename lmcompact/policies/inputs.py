@@ -36,7 +36,8 @@ class Need(enum.Flag):
     (the queries at :meth:`CompactionPolicy.context_queries`, causal)."""
     WINDOW_QUERIES = enum.auto()
     """The observation window's post-RoPE queries ``(q_heads, W, head_dim)`` and their
-    positions (``CompactionInputs.query_positions``)."""
+    positions (``CompactionInputs.query_positions``), together with those at the policy's
+    :meth:`CompactionPolicy.context_queries` when it samples any (sorted by position)."""
 
 
 class Phase(enum.Flag):

@@ -6,8 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import pool_scores
+from lmcompact.policies.allocation import global_keep_mask
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+
+ALLOCATIONS = ("head", "global")
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 """What a reconstruction pass puts between the two copies of the context (KVzip's
@@ -82,8 +86,14 @@ class KVzip(ScorePolicy):
     Cost: single pass, ``S x T`` query-key products per layer and query head on top of
     the prefill (README: measured on SmolLM2 at 2k / 4k on the CPU); reconstruction, a
     second prefill of the context plus ``T x 2T`` products per query head and layer.
-    Differences from the paper: the chunk and layer budgets are uniform per (layer,
-    head) instead of KVzip's head-adaptive global top-k (the store needs one count).
+    Allocation: KVzip ranks all layers and heads together (a global top-k; heads keep
+    ragged counts). The store needs one count per (layer, head) (and per chunk), so
+    ``allocation="head"`` keeps each head's own top-k, and ``allocation="global"`` runs
+    the global top-k over every (layer, head, token) of the candidates and projects it
+    onto the uniform count (:func:`lmcompact.policies.allocation.global_keep_mask`): a
+    head keeps its own best tokens when the global choice gave it at least its count,
+    else what it was given plus the tokens most other heads were given. With ``share``
+    every head keeps the tokens most heads were given. Same total kept, same memory.
 
     Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
 
@@ -98,7 +108,9 @@ class KVzip(ScorePolicy):
             over all layers and heads before pooling, so a kept token is kept everywhere
             (a number keeps all its digits in every head, where per-head choices drop
             one digit here and another there). With a wide ``kernel_size`` (15) whole
-            facts survive together.
+            facts survive together. With ``allocation="global"``, the shared set is
+            ranked by the global top-k's votes instead of the mean score.
+        allocation: ``"head"`` (each head its own top-k) or ``"global"`` (see above).
     """
 
     name = "kvzip"
@@ -111,6 +123,7 @@ class KVzip(ScorePolicy):
     repeat: bool = True
     kernel_size: int = 3
     share: bool = False
+    allocation: str = "head"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,6 +137,10 @@ class KVzip(ScorePolicy):
             raise ValueError(
                 f"max_queries must be >= max(1, window={self.window}), got {self.max_queries}"
             )
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(
+                f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}"
+            )
 
     def context_queries(self, length: int) -> torch.Tensor:
         return sample_query_positions(length, self.max_queries, self.window)
@@ -134,10 +151,18 @@ class KVzip(ScorePolicy):
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
         scores = inputs.layers[layer].context_scores
         assert scores is not None  # check_inputs ran
-        if self.share:
+        if self.share and self.allocation == "head":
             scores = shared_scores(inputs).expand_as(scores)
         sinks = (inputs.positions_or_arange() < self.n_sink).to(scores.device)
         raw = scores.detach().double().masked_fill(~inputs.valid_or_all().to(scores.device), 0.0)
         pooled = pool_scores(raw, self.kernel_size, "maxpool")
         # pooling makes a peak's neighbours tie with it; the raw score breaks such ties
         return (pooled + raw * 1e-6).masked_fill(sinks, float("inf"))
+
+    def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
+        if self.allocation == "head":
+            return super().plan_scored(inputs, scores)
+        stacked = torch.stack([s.detach().double().cpu() for s in scores])
+        valid = None if inputs.valid is None else inputs.valid.cpu()
+        masks = global_keep_mask(stacked, self.keep_count(inputs), valid, share=self.share)
+        return KeepPlan.from_masks(masks)

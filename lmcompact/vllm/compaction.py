@@ -3,8 +3,9 @@
 Engine-free (torch + lmcompact only), so the worker can run it on a background thread and
 unit tests can run it without vLLM. One save job covers chunks ``first_chunk ..`` of a
 prompt. The captured queries are the observation window (the prompt's last ``window``
-queries: SnapKV's mass, TOVA's rows, Expected Attention's query statistics) and, for
-``kvzip``, a sample across the whole prompt (:meth:`CompactionPolicy.context_queries`);
+queries: SnapKV's mass, TOVA's rows) and, for ``kvzip`` and ``expected_attention``, a
+sample across the whole prompt (:meth:`CompactionPolicy.context_queries`; Expected
+Attention takes its query statistics from the window and the sample);
 both are scored against every key of the span (window mass in O(W x chunk) memory,
 context scores in O(Hq x 128 x T), never S x T)::
 
@@ -22,10 +23,15 @@ request may hit any prefix of the chunks, and its load packs ``n * K`` slots and
 a hole of ``n * (C - K)`` tokens computed from ``n`` alone (``SchedulerHalf._start``,
 ``_problem`` rejects other counts). The uniform budget also guarantees coverage: no
 stretch of a stored context is emptied, which matters when the questions that will
-reuse it are unknown. Keys loaded from the store before the span are not scored (not
-in the copied pages): their share of each query's softmax is missing, a constant
+reuse it are unknown. Inside a chunk a policy may still rank across layers and heads
+(kvzip's ``allocation="global"``: a global top-k projected onto the one count,
+:mod:`lmcompact.policies.allocation`). Keys loaded from the store before the span are
+not scored (not in the copied pages): their share of each query's softmax is missing, a constant
 factor per query that changes the max aggregation little. Candidates carry absolute
-positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's.
+positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's. A
+policy whose scores depend on every key scored together (``ScorePolicy.span_scores``:
+Expected Attention's softmax) is scored once over the whole span and each chunk planned
+from its slice.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from lmcompact.attention.rope import Rope
 from lmcompact.attention.scores import context_scores, window_scores
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need
+from lmcompact.policies.base import ScorePolicy
 from lmcompact.store import ChunkKey, CompactedChunk
 from lmcompact.store.transfer import PendingCopy
 from lmcompact.vllm.chunks import (
@@ -269,12 +276,19 @@ def compact_job(
     window_positions = None
     if window is not None and job.query_positions is not None:
         window_positions = job.query_positions[window]
+    # Expected Attention's statistics: the window and the policy's prompt sample
+    stats = window if context is None or window is None else torch.cat([window, context]).unique()
+    stats_positions = None
+    if stats is not None and job.query_positions is not None:
+        stats_positions = job.query_positions[stats]
+    wants_queries = Need.WINDOW_QUERIES in policy.needs
     for index, pages in enumerate(job.pages):
         keys, values = layout.pages_to_tokens(pages)
         keys, values = keys[:, : job.num_tokens], values[:, : job.num_tokens]
         per_layer.append((keys, values))
         queries = None if job.queries is None else job.queries[index]
         window_queries = None if queries is None or window is None else queries[window]
+        stats_queries = None if queries is None or stats is None else queries[stats]
         mass: torch.Tensor | None
         rows: torch.Tensor | None
         if job.window_mass is not None:
@@ -293,16 +307,16 @@ def compact_job(
                     else job.context_scores[index]
                 ),
                 window_queries=(
-                    window_queries.permute(1, 0, 2)
-                    if Need.WINDOW_QUERIES in policy.needs and window_queries is not None
+                    stats_queries.permute(1, 0, 2)
+                    if wants_queries and stats_queries is not None
                     else None
                 ),
             )
         )
     heads = per_layer[0][0].shape[0]
-    out: list[tuple[ChunkKey, CompactedChunk]] = []
-    for c, key in enumerate(job.keys):
-        lo, hi = c * chunk_size, (c + 1) * chunk_size
+
+    def span_inputs(lo: int, hi: int) -> CompactionInputs:
+        """The policy's inputs for tokens ``[lo, hi)`` of the span."""
         layers = [
             LayerObservation(
                 keys=k[:, lo:hi],
@@ -318,18 +332,33 @@ def compact_job(
             )
             for (k, v), obs in zip(per_layer, observations, strict=True)
         ]
-        positions = torch.arange(job.start + lo, job.start + hi).expand(heads, -1)
-        inputs = CompactionInputs(
-            chunk_size,
+        return CompactionInputs(
+            hi - lo,
             heads,
             layers,
-            positions=positions,
+            positions=torch.arange(job.start + lo, job.start + hi).expand(heads, -1),
             budget_tokens=kept_per_chunk,
-            query_positions=window_positions,
+            query_positions=stats_positions if wants_queries else window_positions,
             rope=job.rope,
             attention_scale=job.scale,
         )
-        plan = policy.plan(inputs) if kept_per_chunk < chunk_size else None
+
+    compacts = kept_per_chunk < chunk_size
+    span: list[torch.Tensor] | None = None
+    scorer = policy if isinstance(policy, ScorePolicy) and policy.span_scores else None
+    if compacts and scorer is not None:
+        whole = span_inputs(0, job.num_tokens)
+        scorer.check_inputs(whole)
+        span = scorer.score_all(whole)  # one softmax over the whole span (Expected Attention)
+    out: list[tuple[ChunkKey, CompactedChunk]] = []
+    for c, key in enumerate(job.keys):
+        lo, hi = c * chunk_size, (c + 1) * chunk_size
+        inputs = span_inputs(lo, hi)
+        plan = None
+        if span is not None and scorer is not None:
+            plan = scorer.plan_scored(inputs, [scores[:, lo:hi] for scores in span])
+        elif compacts:
+            plan = policy.plan(inputs)
         if plan is not None:
             plan = plan.with_recent(recent_layers, kept_per_chunk)
         out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))

@@ -55,7 +55,10 @@ TIERS = ("cpu", "redis")
 CUDA_GRAPHS = ("piecewise", "full")
 """Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
 
-POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"snapkv": {"kernel_size": 15}}
+POLICY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "snapkv": {"kernel_size": 15},
+    "expected_attention": {"share": True, "kernel_size": 15},
+}
 """The connector's defaults for a policy's hyper-parameters where they differ from the
 policy class's own (the paper's); ``policy_params`` override them key by key.
 
@@ -66,7 +69,19 @@ per cell, ``docs/eval/RESULTS.md``): kernel 15 kept the full cache's accuracy in
 cells of the single-fact ``needle`` task in place; kernel 7 lost a question in place on
 Gemma-3 at 2k and at 4k and on Gemma's 2k needle (a 5-digit answer with a digit dropped: a
 pool of 7 around a peak inside the number does not cover the number and the words before
-it)."""
+it).
+
+expected_attention keeps one token set for every (layer, head) here (``share``), the
+tokens a global top-k over every (layer, head, token) of a chunk picks in the most heads
+(:mod:`lmcompact.policies.allocation`), max-pooled over 15 tokens: the store holds one count
+per (layer, head) and chunk, and per-head choices under that count dropped digits of the
+numbers (SmolLM2 2k ``multi_needle``, save path: 5 / 1 of 15 at 0.5 / 0.25 against 1-2 / 0
+per head and kvpress's 4 / 0; Gemma-3-270m 2k 4 / 1; ``docs/eval/RESULTS.md``). kvzip keeps
+the class defaults (per head): ``{"allocation": "global", "share": true, "kernel_size": 15}``
+with the reconstruction request kept 8 / 5 of 15 on SmolLM2 2k (the mean-score shared set
+13 / 7, kvpress's ``KVzipPress`` 15 / 15), 10 / 10 on Gemma 2k and 11 / 6 on SmolLM2 4k, and
+lost a question the per-head single pass kept on
+``tests/integration/vllm/test_agnostic_store.py``'s context: an option, not the default."""
 
 COMPACT_ON = ("save", "load")
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES

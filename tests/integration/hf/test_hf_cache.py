@@ -210,3 +210,63 @@ def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.
     torch.testing.assert_close(captured["scores"][0], theirs, rtol=1e-4, atol=1e-6)
     assert cache.plans is not None
     assert bool((cache.plans[0].kept_counts() == PROMPT_TOKENS // 2).all())
+
+
+def test_expected_attention_plans_are_the_connectors(
+    loaded: tuple[Any, Any], prompt: torch.Tensor
+) -> None:
+    """Expected Attention keeps the same tokens in transformers and on the vLLM save path:
+    statistics from the window and the prompt sample, one softmax over the span."""
+    from lmcompact.hf.cache import CompactingCache
+    from lmcompact.hf.observe import rope_from_model
+    from lmcompact.store import ChunkKeyer, StoreNamespace
+    from lmcompact.vllm.compaction import SaveJob, compact_job
+    from lmcompact.vllm.kv_layout import CpuPageLayout
+
+    model, _ = loaded
+    policy = policy_for("expected_attention", 0.5, PROMPT_TOKENS)
+    policy.max_queries = 100  # type: ignore[attr-defined]  # a sample, not every query
+    cache = CompactingCache(model, policy, window_size=32)
+    captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    scale: list[float] = []
+    for layer in cache._layers():
+        original = layer.attend
+
+        def spy(module, query, key, value, scaling, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            captured.append((query[0].detach().clone(), key[0].detach().clone(), value[0].clone()))
+            scale.append(float(scaling))
+            return _original(module, query, key, value, scaling, **kwargs)
+
+        layer.attend = spy  # type: ignore[method-assign]
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+    assert cache.plans is not None
+    sampled = policy.context_queries(PROMPT_TOKENS)
+    assert sampled is not None and sampled.numel() == 100
+    positions = torch.cat([sampled, torch.arange(PROMPT_TOKENS - 32, PROMPT_TOKENS)]).unique()
+    layout = CpuPageLayout(32)
+    pages = [layout.tokens_to_pages(k, v) for _, k, v in captured]
+    queries = [q.permute(1, 0, 2)[positions] for q, _, _ in captured]  # (S, Hq, D)
+    keys = ChunkKeyer(StoreNamespace("m", "float32", "rows"), PROMPT_TOKENS).keys(
+        prompt[0].tolist()
+    )
+    job = SaveJob(
+        "r",
+        keys,
+        0,
+        PROMPT_TOKENS,
+        pages,
+        queries,
+        positions,
+        scale[0],
+        window=32,
+        rope=rope_from_model(model),
+    )
+    ((_, chunk),) = compact_job(job, layout, policy, PROMPT_TOKENS, PROMPT_TOKENS // 2)
+    hf = cache.plans[0]
+    differ = 0
+    for index in range(len(captured)):
+        for head in range(chunk.num_kv_heads):
+            ours = set(chunk.head(index, head)[2].tolist())
+            differ += len(ours ^ set(hf.kept[index][head].tolist()))
+    assert differ == 0

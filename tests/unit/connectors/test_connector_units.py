@@ -187,3 +187,19 @@ def test_snapkv_pools_over_15_by_default_in_the_connector() -> None:
     # other policies keep their own defaults
     knorm = ConnectorConfig.from_extra({"policy": "knorm", "budget": 0.25})
     assert knorm.effective_params == {}
+
+
+def test_expected_attention_shares_one_token_set_by_default_in_the_connector() -> None:
+    """expected_attention runs shared and pooled over 15 in the connector (POLICY_DEFAULTS,
+    measured in docs/eval/RESULTS.md); policy_params override it; kvzip and the class keep
+    their per-head defaults."""
+    ea = ConnectorConfig.from_extra({"policy": "expected_attention", "budget": 0.25})
+    assert ea.make_policy().params()["share"] is True
+    assert ea.namespace_params() == {"share": True, "kernel_size": 15, "budget": 0.25}
+    per_head = ConnectorConfig.from_extra(
+        {"policy": "expected_attention", "budget": 0.25, "policy_params": {"share": False}}
+    ).make_policy()
+    assert per_head.params()["share"] is False and per_head.params()["kernel_size"] == 15
+    kvzip = ConnectorConfig.from_extra({"policy": "kvzip", "budget": 0.25}).make_policy()
+    assert kvzip.params()["allocation"] == "head" and kvzip.params()["share"] is False
+    assert make_policy("expected_attention").params()["share"] is False

@@ -143,7 +143,17 @@ POLICY_CASES: list[PolicyCase] = [
         shape_params=_duo_pattern,
     ),
     PolicyCase("kvzip", "kvzip", {"n_sink": 2, "window": 4, "max_queries": 16}),
+    PolicyCase(
+        "kvzip-global",
+        "kvzip",
+        {"n_sink": 2, "window": 4, "max_queries": 16, "allocation": "global"},
+    ),
     PolicyCase("expected_attention", "expected_attention", {"n_sink": 2, "n_future_positions": 8}),
+    PolicyCase(
+        "expected_attention-window",
+        "expected_attention",
+        {"n_sink": 2, "n_future_positions": 8, "queries": "window"},
+    ),
     PolicyCase("self_info", "self_info", {"n_sink": 2, "smooth": 3, "kernel_size": 5}),
     PolicyCase(
         "expected_attention-mean",

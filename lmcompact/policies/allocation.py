@@ -1,0 +1,79 @@
+"""Global top-k over every (layer, head, token), projected onto one count per (layer, head).
+
+KVzip's own selection (and kvpress's ``KVzipPress`` with ``layerwise=False``) ranks the
+scores of all layers and heads together and keeps the best ``L x H x K`` entries: a head
+whose keys matter keeps many, a head that reads nothing keeps few. A layout with one
+count per (layer, head) (the vLLM store: one block-aligned hole per request) cannot hold
+those ragged counts, but it can keep what the global choice says matters::
+
+    scores (L, H, T) --global top L*H*K--> chosen (L, H, T)    (ragged per head)
+                                            votes (T,) = share of (layer, head) choosing t
+    per (layer, head), K slots:
+        head chose >= K tokens:  its own K best (the global threshold cut its list)
+        head chose  < K tokens:  all it chose, then the tokens most heads chose (votes)
+    share:  one token set for every (layer, head): the K tokens with the most votes
+
+The total of kept entries is ``L x H x K`` as with per-head top-k, so the memory is the
+same; what changes is which tokens the spare slots of an idle head hold (those other
+heads need, rather than its own weak preferences).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmcompact.policies._select import descending_order, topk_mask
+
+__all__ = ["global_keep_mask", "rank_fraction"]
+
+_TIE = 1e-4
+"""Weight of a head's own rank in the vote ranking (votes differ by >= 1 / (L x H))."""
+
+
+def rank_fraction(scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``(R, T)`` float64 in ``(0, 1]``: 1 for each row's best score, falling by ``1 / T``
+    per place (:func:`descending_order`'s order: ties to the later candidate)."""
+    rows, length = scores.shape
+    order = descending_order(scores.detach().double(), valid)
+    places = torch.empty_like(order)
+    places.scatter_(-1, order, torch.arange(length, device=order.device).expand(rows, -1))
+    return 1.0 - places.double() / length
+
+
+def global_keep_mask(
+    scores: torch.Tensor, keep: int, valid: torch.Tensor | None = None, share: bool = False
+) -> torch.Tensor:
+    """``(L, H, T)`` bool: ``keep`` tokens per (layer, head), chosen by a global top-k.
+
+    Args:
+        scores: ``(L, H, T)`` float scores (+inf forces a keep; NaN is an error).
+        keep: tokens every (layer, head) keeps (clipped to its valid candidates).
+        valid: ``(H, T)`` bool, False for padding (never kept); None: all valid.
+        share: every (layer, head) keeps the same tokens, ranked by votes.
+
+    Returns:
+        The CPU keep mask; row ``(l, h)`` holds ``min(keep, valid[h].sum())`` Trues.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be (layers, heads, T), got {tuple(scores.shape)}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    layers, heads, length = scores.shape
+    device = scores.device
+    flat_valid = None
+    if valid is not None:
+        valid = valid.to(device)
+        flat_valid = valid.expand(layers, heads, length).reshape(layers * heads, length)
+    rows = scores.detach().double().reshape(layers * heads, length)
+    total = layers * heads * keep
+    everything_valid = None if flat_valid is None else flat_valid.reshape(1, -1)
+    chosen = topk_mask(rows.reshape(1, -1), total, everything_valid).view(layers * heads, length)
+    votes = chosen.double().mean(dim=0)  # (T,) share of (layer, head) rows choosing t
+    rank = rank_fraction(rows, flat_valid).cpu()
+    if share:
+        key = (votes + _TIE * rank.mean(dim=0)).expand(layers * heads, -1)
+    else:
+        # chosen entries first, by the row's own rank; then the rest by votes
+        key = torch.where(chosen, 2.0 + rank, votes + _TIE * rank)
+    valid_cpu = None if flat_valid is None else flat_valid.cpu()
+    return topk_mask(key, keep, valid_cpu).view(layers, heads, length)
