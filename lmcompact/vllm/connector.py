@@ -13,9 +13,11 @@ prefixes saved to and loaded from the tiers; on by default) and the ``release`` 
 (prompts packed in place, dropped blocks given back to vLLM; off unless given). Any
 combination works. Each role composes its halves:
 
-* scheduler: :class:`lmcompact.vllm.scheduler_side.SchedulerHalf` (store lookups, loads, saves,
-  holes of loads) and, with ``release``, :class:`lmcompact.vllm.memory.scheduler_side.
-  MemoryScheduler` (packs, decode budget, hole blocks back to the pool);
+* scheduler: :class:`lmcompact.vllm.scheduler_side.SchedulerHalf` (store lookups, loads, saves;
+  it owns the one :class:`~lmcompact.vllm.request_state.RequestState` per request, holes
+  included) and, with ``release``, :class:`lmcompact.vllm.memory.scheduler_side.
+  MemoryScheduler` (packs, decode budget, hole blocks back to the pool), which reads and
+  writes the same records;
 * worker: :class:`lmcompact.vllm.worker_side.WorkerHalf` (loads, captures, saves, hole cuts)
   and, with ``release``, :class:`lmcompact.vllm.memory.release_worker.ReleaseWorker` (packs).
 
@@ -42,7 +44,6 @@ from lmcompact.vllm.memory.blocks import PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import HeavyHitterScores
 from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 from lmcompact.vllm.memory.planner import HolePlanner
-from lmcompact.vllm.memory.rank_packs import RankPacks
 from lmcompact.vllm.memory.release import make_planner, refuse_under_tensor_parallel
 from lmcompact.vllm.memory.release_worker import ReleaseWorker
 from lmcompact.vllm.memory.scheduler_side import MemoryScheduler, needs_scores
@@ -97,7 +98,6 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         self.memory_scheduler: MemoryScheduler | None = None  # scheduler side, release
         self.release_worker: ReleaseWorker | None = None  # worker side, release
         self.cache_guard: PrefixCacheGuard | None = None  # scheduler side, prefix caching
-        self.rank_packs = RankPacks(self.facts.tp_size)  # scheduler side, pack reports
         if self.config.store.load and not shim.recomputes_failed_loads(vllm_config):
             logger.warning(
                 "kv_load_failure_policy is 'fail': a stored chunk that is missing or damaged "
@@ -134,18 +134,18 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         )
         if self.planner is None or self.config.release is None:
             return
+        # one hole per request, in its one record: the planner opens and grows them there
+        self.planner.holes = self.scheduler_half.states.holes
         self.memory_scheduler = MemoryScheduler(
             self.planner,
+            self.scheduler_half.states,
             self.facts.block_size,
             self.config.window,
             capture=not self.config.store.save,  # else the save path captures the window
             needs_scores=needs_scores(self.config.make_policy()),
             reserve_growth=self.config.release.reserve_growth,
+            tp_size=self.facts.tp_size,
         )
-        # an adopted store-load hole goes back only once the worker wrote the load, a
-        # packed prompt's hole (tensor parallel) once every rank packed it
-        self.memory_scheduler.held_back = self._held_back
-        self.memory_scheduler.load_hole = self.scheduler_half.load_hole
 
     def _log_start(self, role: Any) -> None:
         store = self.config.store
@@ -273,15 +273,9 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         meta = shim.worker_metadata(connector_output)
         if not isinstance(meta, LMCompactWorkerMetadata):
             return
-        failed = self._scheduler().take_report(meta.report)
+        self._scheduler().take_report(meta.report)  # a refused load's hole is dropped
         if self.memory_scheduler is not None:
-            for req_id in failed:  # vLLM recomputes them: their adopted holes are dropped
-                self.memory_scheduler.cancel_hole(req_id)
-            self.rank_packs.confirm(meta.report.packed)
-
-    def _held_back(self, req_id: str) -> bool:
-        """Whether ``req_id``'s hole blocks must stay held this step."""
-        return self._scheduler().load_unconfirmed(req_id) or self.rank_packs.pending(req_id)
+            self.memory_scheduler.confirm_packs(meta.report.packed)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         scheduler = self._scheduler()
@@ -326,18 +320,18 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
         (:class:`lmcompact.vllm.memory.blocks.PrefixCacheGuard`)."""
         if self.cache_guard is None and self.facts.prefix_caching:
             self.cache_guard = PrefixCacheGuard(kv_cache_manager)
-            self._scheduler().frontier_of = self.cache_guard.frontier
         if self.memory_scheduler is not None:
             self.memory_scheduler.guard = self.cache_guard
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCompactMetadata:
-        step = self._scheduler().build_metadata(scheduler_output)
+        scheduler = self._scheduler()
+        step = scheduler.build_metadata(scheduler_output)
         memory = self.memory_scheduler
+        packs = [] if memory is None else memory.plan_step(scheduler_output, step)
+        guard = self.cache_guard
+        scheduler.end_step(step, None if guard is None else guard.frontier)
         if memory is None:
             return LMCompactMetadata(step)
-        packs = memory.plan_step(scheduler_output, step)
-        for job in packs:  # its hole goes back once every rank reported the pack
-            self.rank_packs.expect(job.req_id)
         merges = memory.take_merges()
         if packs or merges or not step.is_idle():
             # holes, captures and loads must be in place before the forward pass; vLLM
@@ -348,7 +342,6 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.rank_packs.drop(request.request_id)
         self._scheduler().finished(request.request_id)
         return False, None
 

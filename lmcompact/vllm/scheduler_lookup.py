@@ -24,7 +24,8 @@ from typing import Any
 
 from lmcompact.store import ChunkKey
 from lmcompact.vllm.metadata import WorkerReport
-from lmcompact.vllm.scheduler_state import SchedulerState, TrackedRequest
+from lmcompact.vllm.request_state import RequestState
+from lmcompact.vllm.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 class StoreLookup(SchedulerState):
     """Lookups (cached per request), load confirmation and worker reports."""
 
-    def _present(self, tracked: TrackedRequest, first: int, last: int) -> int:
+    def _present(self, tracked: RequestState, first: int, last: int) -> int:
         """Leading chunks of ``keys[:last]`` known to exist (from ``first`` on); cached per
         request until the known set changes, so a waiting request costs no store query."""
         probe = (first, last, self._version)
@@ -118,7 +119,7 @@ class StoreLookup(SchedulerState):
     def compacted_load_start(self, req_id: str) -> int | None:
         """First token of the load just confirmed for ``req_id`` when its chunks are
         compacted (kept rows where vLLM expects every token), else None."""
-        tracked = self._requests.get(req_id)
+        tracked = self.states.get(req_id)
         if tracked is None or not (tracked.confirmed and tracked.pending):
             return None
         if self.kept >= self.config.store.chunk_size:
@@ -137,18 +138,19 @@ class StoreLookup(SchedulerState):
         if report.save_failed:
             self._version += 1
         for req_id in report.loaded - report.load_failed:  # one refusing rank fails a load
-            tracked = self._requests.get(req_id)
+            tracked = self.states.get(req_id)
             if tracked is not None:
                 tracked.load_start = None
         failed: set[str] = set()
         for req_id in report.load_failed:
             self.stats["load_failures"] += 1
-            tracked = self._requests.get(req_id)
+            tracked = self.states.get(req_id)
             if tracked is None:
                 continue
             failed.add(req_id)
             if tracked.load_start is not None:
                 tracked.loaded_end = tracked.load_start
-            tracked.hole, tracked.load_start = None, None
+            tracked.drop_hole()
+            tracked.load_start = None
             tracked.saved = False  # the recompute stores what was missing
         return failed

@@ -24,7 +24,8 @@ from lmcompact.vllm.reconstruct import (
     save_allowed,
     token_scores,
 )
-from lmcompact.vllm.scheduler_state import SchedulerState, TrackedRequest
+from lmcompact.vllm.request_state import RequestState
+from lmcompact.vllm.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 class SavePlanning(SchedulerState):
     """Request options, query captures and chunk saves."""
 
-    def _given_scores(self, request: Any, tracked: TrackedRequest) -> None:
+    def _given_scores(self, request: Any, tracked: RequestState) -> None:
         """Read a request's ``save`` flag and ``token_scores`` (``reconstruct.py``)."""
         params = getattr(request, "kv_transfer_params", None)
         try:
@@ -89,7 +90,7 @@ class SavePlanning(SchedulerState):
         return sorted(wanted)
 
     def _plan_save(
-        self, sched: shim.ScheduledRequest, tracked: TrackedRequest, meta: StepMetadata
+        self, sched: shim.ScheduledRequest, tracked: RequestState, meta: StepMetadata
     ) -> None:
         """Query captures in the steps that compute the wanted prompt positions; the save in
         the step that completes the prompt."""

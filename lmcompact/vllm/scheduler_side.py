@@ -6,7 +6,7 @@ Cheap and free of store I/O on the engine's scheduling loop: it asks which chunk
 :mod:`lmcompact.vllm.scheduler_saves`). The worker half fetches and verifies them; a chunk
 that turns out missing or bad there is reported back and the request is recomputed (vLLM's
 ``kv_load_failure_policy`` "recompute"), never loaded wrong. Each live request has one
-:class:`~lmcompact.vllm.scheduler_state.TrackedRequest`.
+:class:`~lmcompact.vllm.request_state.RequestState`.
 
 Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at token ``s``::
 
@@ -16,6 +16,11 @@ Packed load of ``n`` chunks of ``C`` tokens keeping ``K`` each, starting at toke
 
 Sliding-window layers also skip slots ``[0, s+(n-1)*K)`` (the hole's ``window_lead``): only
 the last chunk's kept rows (its last K tokens) sit at their logical distance from the tail.
+
+The half owns the scheduler side's one record per request
+(:class:`~lmcompact.vllm.request_state.RequestStates`): the release group reads and writes
+the same records (their holes above all), and :meth:`SchedulerHalf.end_step` sends every
+scheduled request's visible hole to the worker, whoever opened it.
 """
 
 from __future__ import annotations
@@ -27,15 +32,16 @@ from typing import Any
 from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
-from lmcompact.vllm.holes import Hole, keyed_by_last_block
+from lmcompact.vllm.holes import keyed_by_last_block
 from lmcompact.vllm.metadata import LoadSpec, StepMetadata
+from lmcompact.vllm.request_state import HoleState, RequestState, RequestStates
 from lmcompact.vllm.scheduler_lookup import StoreLookup
 from lmcompact.vllm.scheduler_saves import SavePlanning
-from lmcompact.vllm.scheduler_state import SchedulerState, TrackedRequest
+from lmcompact.vllm.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SchedulerHalf", "SchedulerState", "TrackedRequest"]
+__all__ = ["RequestState", "SchedulerHalf", "SchedulerState"]
 
 
 class SchedulerHalf(StoreLookup, SavePlanning):
@@ -65,15 +71,12 @@ class SchedulerHalf(StoreLookup, SavePlanning):
         self.kept = config.kept_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
         self.policy = config.store_policy()  # what the saved chunks' compaction reads
-        self._requests: dict[str, TrackedRequest] = {}
+        self.states = RequestStates()  # one record per live request, shared by the halves
+        self._seq_lens: dict[str, int] = {}  # this step's scheduled requests -> key length
         self.tp_size = facts.tp_size
         self._reported: set[ChunkKey] = set()  # slice keys stored, as the workers said
         self._saving: dict[ChunkKey, float] = {}  # slice save planned -> time planned
         self._version = 0  # bumps whenever what is known to exist changes
-        # with vLLM's prefix caching: request -> its first block kept out of the cache
-        # (None: none); holes of requests whose block 0 may be shared are keyed by the
-        # row's last block
-        self.frontier_of: Callable[[str], int | None] | None = None
         self.stats = {
             "lookups": 0,
             "store_queries": 0,
@@ -84,58 +87,78 @@ class SchedulerHalf(StoreLookup, SavePlanning):
         }
 
     # ------------------------------------------------------------------ requests
-    def _track(self, request: Any) -> TrackedRequest:
+    def _track(self, request: Any) -> RequestState:
         req_id = request.request_id
-        tracked = self._requests.get(req_id)
+        tracked = self.states.get(req_id)
         if tracked is None:
             prompt = shim.request_prompt_ids(request)
-            tracked = TrackedRequest(prompt=prompt, keys=self.keyer.keys(prompt))
+            tracked = RequestState(prompt=prompt, keys=self.keyer.keys(prompt))
             tracked.reconstruct = self._reconstruct_len(request, prompt)
             self._given_scores(request, tracked)
-            self._requests[req_id] = tracked
+            self.states.add(req_id, tracked)
         return tracked
 
     # -------------------------------------------------------------- step planning
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
+        """This step's loads, captures and saves (its holes: :meth:`end_step`)."""
         meta = StepMetadata()
+        self._seq_lens = {}
         for sched in shim.scheduled_requests(scheduler_output):
-            tracked = self._requests.get(sched.req_id)
+            tracked = self.states.get(sched.req_id)
             if tracked is None:
                 if sched.prompt_token_ids is None:
                     continue
-                tracked = TrackedRequest(
-                    prompt=sched.prompt_token_ids, keys=self.keyer.keys(sched.prompt_token_ids)
+                tracked = self.states.add(
+                    sched.req_id,
+                    RequestState(
+                        prompt=sched.prompt_token_ids,
+                        keys=self.keyer.keys(sched.prompt_token_ids),
+                    ),
                 )
-                self._requests[sched.req_id] = tracked
+            self._seq_lens[sched.req_id] = sched.num_computed + sched.num_scheduled
             if sched.replace:
                 tracked.block_ids = list(sched.new_block_ids)
                 self._start(sched, tracked, meta)
             else:
                 tracked.block_ids.extend(sched.new_block_ids)
-            if tracked.hole is not None:
-                hole = tracked.hole
-                if self.frontier_of is not None and self.frontier_of(sched.req_id) != 0:
-                    seq_len = sched.num_computed + sched.num_scheduled
-                    hole = keyed_by_last_block(
-                        hole, tracked.block_ids, seq_len, self.facts.block_size
-                    )
-                meta.holes[hole.first_block] = hole
             self._plan_save(sched, tracked, meta)
         for req_id in shim.preempted_req_ids(scheduler_output):
-            if req_id in self._requests:
-                self._requests[req_id].hole = None
-                self._requests[req_id].load_start = None
+            self.states.forget(req_id, finished=False)
         meta.finished = shim.finished_req_ids(scheduler_output)
         for req_id in meta.finished:
-            self._requests.pop(req_id, None)
+            self.states.forget(req_id, finished=True)
         return meta
 
-    def _start(
-        self, sched: shim.ScheduledRequest, tracked: TrackedRequest, meta: StepMetadata
+    def end_step(
+        self, meta: StepMetadata, frontier: Callable[[str], int | None] | None = None
     ) -> None:
-        """A request got (new) blocks: emit its load, if confirmed, and its hole."""
+        """Add the visible hole of every request scheduled this step to ``meta`` (whoever
+        opened it: a compacted load, or the release group) and count the step.
+
+        Args:
+            frontier: with vLLM's prefix caching, the request's first block kept out of the
+                cache (:meth:`lmcompact.vllm.memory.blocks.PrefixCacheGuard.frontier`;
+                None: none); a hole of a request whose block 0 may be shared (frontier not
+                0) is keyed by the row's last block instead.
+        """
+        step = self.states.step
+        for req_id, seq_len in self._seq_lens.items():
+            tracked = self.states.get(req_id)
+            hole = None if tracked is None else tracked.hole
+            if tracked is None or hole is None or hole.length == 0 or hole.visible_from > step:
+                continue
+            wire = hole.wire(req_id)
+            if frontier is not None and frontier(req_id) != 0:
+                wire = keyed_by_last_block(wire, tracked.block_ids, seq_len, self.facts.block_size)
+            meta.holes[wire.first_block] = wire
+        self.states.step += 1
+
+    def _start(
+        self, sched: shim.ScheduledRequest, tracked: RequestState, meta: StepMetadata
+    ) -> None:
+        """A request got (new) blocks: emit its load, if confirmed, and open its hole."""
         c, bs = self.config.store.chunk_size, self.facts.block_size
-        tracked.hole = None
+        tracked.drop_hole()
         # chunks vLLM's own prefix cache served hold the full KV in the request's blocks:
         # they are saved too (when the store lacks them), so a repeat finds them there
         # once vLLM's cache dropped them
@@ -160,25 +183,15 @@ class SchedulerHalf(StoreLookup, SavePlanning):
             " (compacted)" if hole_tokens else "",
         )
         if hole_tokens:
-            tracked.hole = Hole(
+            # the release group gives its blocks back once the worker confirmed the load
+            tracked.hole = HoleState(
                 first_block=tracked.block_ids[0],
-                start_block=(start + count * self.kept) // bs,
-                num_blocks=hole_tokens // bs,
+                start=(start + count * self.kept) // bs,
+                length=hole_tokens // bs,
+                visible_from=self.states.step,
+                owned=False,
                 window_lead=(start + (count - 1) * self.kept) // bs,
-                req_id=sched.req_id,
             )
 
-    def load_hole(self, req_id: str) -> Hole | None:
-        """The hole of ``req_id``'s packed store load (None: none, or not compacted); the
-        release group adopts it, so its blocks go back to vLLM's pool."""
-        tracked = self._requests.get(req_id)
-        return None if tracked is None else tracked.hole
-
-    def load_unconfirmed(self, req_id: str) -> bool:
-        """True while a load of ``req_id`` was sent and the worker has not confirmed it
-        (its hole blocks must stay held: a failed load is recomputed into them)."""
-        tracked = self._requests.get(req_id)
-        return tracked is not None and tracked.load_start is not None
-
     def finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        self.states.forget(req_id, finished=True)

@@ -1,7 +1,11 @@
 """Where each request's hole lies, step by step (engine-free bookkeeping, in blocks).
 
 Every request has at most one hole: a run of logical blocks that attention skips and whose
-physical blocks go back to the pool. Two things open or grow it:
+physical blocks go back to the pool (a :class:`~lmcompact.vllm.request_state.HoleState`; in
+the connector it lives in the request's one
+:class:`~lmcompact.vllm.request_state.RequestState`, and the planner reads and writes it
+through ``holes``). A compacted store load opens one (the store half, ``owned=False``: only
+released, never grown); the planner opens or grows the others:
 
 Prefill end (the step whose forward pass computes the prompt's last token), over the
 prompt's full blocks ``nb = prompt_len // bs``, keeping ``kb`` of them:
@@ -60,8 +64,13 @@ request's batch row by it.
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from enum import StrEnum
+
+from lmcompact.vllm.request_state import HoleState
+
+__all__ = ["HolePlanner", "HoleState", "Pack", "PrefillMode"]
 
 
 class PrefillMode(StrEnum):
@@ -70,32 +79,6 @@ class PrefillMode(StrEnum):
     OFF = "off"
     PACK = "pack"
     BLOCKS = "blocks"
-
-
-@dataclass
-class HoleState:
-    """One request's hole.
-
-    Attributes:
-        first_block: physical id of the request's block 0 (its batch-row key).
-        start: logical index of the first hole block (>= 1).
-        length: hole blocks (0 while none is open).
-        visible_from: first step in which attention skips it and its blocks may go back.
-        owned: False when another component (a store load) opened the hole; it is then only
-            released, never grown.
-        window_lead: leading blocks sliding-window layers skip as well (``<= start``).
-    """
-
-    first_block: int
-    start: int
-    length: int
-    visible_from: int
-    owned: bool = True
-    window_lead: int = 0
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.length
 
 
 @dataclass(frozen=True)
@@ -137,6 +120,9 @@ class HolePlanner:
         decode_recent_blocks: H2O decode: recent blocks kept after a hole that opens during
             generation (the kept region is ``decode_budget_blocks`` minus these); None:
             StreamingLLM decode (the hole opens after the sinks).
+        holes: where the holes live, per request id (the connector's scheduler passes its
+            :attr:`lmcompact.vllm.request_state.RequestStates.holes`); a dict of its own
+            when None.
     """
 
     def __init__(
@@ -149,6 +135,7 @@ class HolePlanner:
         min_prompt_blocks: int = 2,
         per_head_slack: float | None = None,
         decode_recent_blocks: int | None = None,
+        holes: MutableMapping[str, HoleState] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -181,7 +168,7 @@ class HolePlanner:
         self.decode_recent_blocks = decode_recent_blocks
         self.per_head_slack = per_head_slack
         self.min_prompt_blocks = max(2, min_prompt_blocks)
-        self.holes: dict[str, HoleState] = {}
+        self.holes: MutableMapping[str, HoleState] = {} if holes is None else holes
 
     # ------------------------------------------------------------------ prefill end
     def kept_blocks(self, prompt_blocks: int) -> int:
@@ -241,31 +228,6 @@ class HolePlanner:
             first_block, sinks, nb - recent - sinks, visible_from=step + 1, window_lead=sinks
         )
         return None
-
-    def adopt(
-        self,
-        req_id: str,
-        first_block: int,
-        start: int,
-        length: int,
-        step: int,
-        window_lead: int = 0,
-    ) -> None:
-        """Record a hole someone else opened (a packed store load) so its blocks go back."""
-        if start < 1 or length < 1:
-            raise ValueError(
-                f"an adopted hole needs start >= 1 and length >= 1, got {start}, {length}"
-            )
-        current = self.holes.get(req_id)
-        if current is not None and (current.start, current.length) != (start, length):
-            raise ValueError(
-                f"request {req_id!r} already has hole {current}, cannot adopt "
-                f"[{start}, {start + length})"
-            )
-        if current is None:
-            self.holes[req_id] = HoleState(
-                first_block, start, length, visible_from=step, owned=False, window_lead=window_lead
-            )
 
     # ------------------------------------------------------------------ decode
     def grow_for_decode(

@@ -34,19 +34,20 @@ the first things that may write the block again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from functools import wraps
 from typing import Any
 
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.compaction import SCORE_NEEDS
-from lmcompact.vllm.holes import Hole, keyed_by_last_block
 from lmcompact.vllm.memory.admission import GrowthReserve
 from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
 from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.memory.rank_packs import RankPacks
 from lmcompact.vllm.memory.scheduler_state import MemorySchedulerState, MemoryStats, PackJob
 from lmcompact.vllm.metadata import CaptureSpec, StepMetadata
+from lmcompact.vllm.request_state import RequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -63,48 +64,52 @@ class MemoryScheduler(GrowthReserve):
     """Scheduler-side memory saving for one engine.
 
     Args:
-        planner: hole bookkeeping.
+        planner: hole geometry; its ``holes`` must be ``states.holes``.
+        states: the scheduler side's one record per request (its hole, its release
+            bookkeeping), owned by the store half (:class:`lmcompact.vllm.scheduler_side.
+            SchedulerHalf`).
         block_size: tokens per block.
         window: observation-window queries to capture for score-based policies.
         capture: add window captures for packs (False when the base connector's save path
             already captures the same window).
         needs_scores: the policy reads window scores.
+        reserve_growth: refuse admissions that would eat running requests' growth.
+        tp_size: tensor-parallel ranks (a pack's hole goes back once every rank packed).
     """
 
     def __init__(
         self,
         planner: HolePlanner,
+        states: RequestStates,
         block_size: int,
         window: int,
         capture: bool,
         needs_scores: bool,
         reserve_growth: bool = True,
+        tp_size: int = 1,
     ) -> None:
+        if planner.holes is not states.holes:
+            raise ValueError("the planner must keep its holes in the request states")
         self.planner = planner
+        self.states = states
         self.block_size = block_size
         self.window = window
         self.capture = capture and needs_scores and window > 0
         self.ledger: BlockLedger | None = None
-        self.step = 0
         self.live: dict[str, Any] = {}
         self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
         self.reserve_growth = reserve_growth
-        self.packed: set[str] = set()  # requests packed at least once (re-pack counting)
-        # per request: hole blocks below this logical index were already released, and how
-        # many blocks went back (each step then touches only what is new, not whole rows)
-        self._released_to: dict[str, int] = {}
-        self._freed: dict[str, int] = {}
+        self.rank_packs = RankPacks(tp_size)  # pack reports some rank still owes
         self.stats = MemoryStats()
-        self.held_back: Callable[[str], bool] = lambda req_id: False
-        # the hole of a packed store load the store half opened for a request (None: none);
-        # it is adopted, so its blocks go back to the pool
-        self.load_hole: Callable[[str], Hole | None] = lambda req_id: None
-        # with vLLM's prefix caching: the guard keeping compacted blocks unhashed, and per
-        # request the leading blocks vLLM's cache served it (never rewritten by a pack)
+        # with vLLM's prefix caching: the guard keeping compacted blocks unhashed
         self.guard: PrefixCacheGuard | None = None
-        self._hit_blocks: dict[str, int] = {}
+
+    @property
+    def step(self) -> int:
+        """The step being planned (counted by the store half, :meth:`SchedulerHalf.end_step`)."""
+        return self.states.step
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -198,20 +203,28 @@ class MemoryScheduler(GrowthReserve):
         self.guard.freeze(req_id, 0)
 
     def forget(self, req_id: str) -> None:
-        self.planner.forget(req_id)
+        """vLLM takes every block of ``req_id`` back (finish, abort, preemption)."""
+        self.states.forget(req_id, finished=False)
         self.live.pop(req_id, None)
-        self._hit_blocks.pop(req_id, None)
-        self._released_to.pop(req_id, None)
-        self._freed.pop(req_id, None)
+        self.rank_packs.drop(req_id)
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
 
-    def cancel_hole(self, req_id: str) -> None:
-        """A store load was refused by the worker: vLLM recomputes the request into the
-        blocks it still holds, so its adopted hole is dropped, not released."""
-        self.planner.forget(req_id)
-        self._released_to.pop(req_id, None)
-        self._freed.pop(req_id, None)
+    def confirm_packs(self, packed: Iterable[tuple[str, int]]) -> None:
+        """Fold in the ranks' pack reports of a step (``(request id, rank)`` each)."""
+        self.rank_packs.confirm(packed)
+
+    def _state(self, req_id: str) -> RequestState:
+        state = self.states.get(req_id)
+        if state is None:
+            raise RuntimeError(f"request {req_id!r} has blocks but no request state")
+        return state
+
+    def _held_back(self, state: RequestState, req_id: str) -> bool:
+        """Whether ``req_id``'s hole blocks must stay held this step: a store load the
+        worker has not confirmed (a refused one is recomputed into them), or a pack some
+        tensor-parallel rank has not reported."""
+        return state.load_start is not None or self.rank_packs.pending(req_id)
 
     def take_merges(self) -> list[MergeJob]:
         """H2O merges to run before this step's forward pass (:meth:`forget` drops those of
@@ -227,8 +240,11 @@ class MemoryScheduler(GrowthReserve):
 
     def _release(self, req_id: str) -> None:
         hole = self.planner.visible(req_id, self.step)
-        if hole is None or self.held_back(req_id):
-            return  # no hole yet, or a store load the worker has not confirmed
+        if hole is None:
+            return  # no hole yet
+        state = self._state(req_id)
+        if self._held_back(state, req_id):
+            return  # blocks the worker may still read or write
         ledger = self._ledger()
         row = ledger.blocks(req_id)
         if not row or row[0].block_id != hole.first_block:
@@ -236,13 +252,13 @@ class MemoryScheduler(GrowthReserve):
                 f"request {req_id!r}: block 0 is {row[0].block_id if row else None}, its hole "
                 f"was planned on block {hole.first_block}; a preemption was not seen"
             )
-        lo = max(hole.start, self._released_to.get(req_id, hole.start))
+        lo = hole.start if state.released_to is None else max(hole.start, state.released_to)
         hi = min(hole.stop, len(row))
         if lo >= hi:
             return
         released = ledger.release(req_id, lo, hi)
-        self._released_to[req_id] = hi
-        self._freed[req_id] = self._freed.get(req_id, 0) + len(released.freed)
+        state.released_to = hi
+        state.freed += len(released.freed)
         self.stats.blocks_released += len(released.freed)
         self.stats.blocks_kept_shared += len(released.kept)
 
@@ -257,31 +273,20 @@ class MemoryScheduler(GrowthReserve):
         step = self.step
         self.scored = {}
         self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
-        self.packed -= shim.finished_req_ids(scheduler_output)
         load_starts = {load.req_id: load.start for load in meta.loads}
-        seq_lens: dict[str, int] = {}
         for sched in shim.scheduled_requests(scheduler_output):
-            seq_lens[sched.req_id] = sched.num_computed + sched.num_scheduled
             request = self.live.get(sched.req_id)
             blocks = ledger.blocks(sched.req_id)
             if request is None or not blocks:
                 continue
+            state = self._state(sched.req_id)
             if sched.replace:  # new or resumed: what vLLM's own cache served it
                 hit = load_starts.get(sched.req_id, sched.num_computed)
-                self._hit_blocks[sched.req_id] = hit // self.block_size
+                state.hit_blocks = hit // self.block_size
+                if sched.req_id in load_starts and state.hole is not None:
+                    self.stats.holes_adopted += 1  # a compacted load's hole: released here
             first = int(blocks[0].block_id)
             prompt_len = int(request.num_prompt_tokens)
-            foreign = self.load_hole(sched.req_id)
-            if foreign is not None and sched.req_id not in self.planner.holes:
-                self.planner.adopt(
-                    sched.req_id,
-                    first,
-                    foreign.start_block,
-                    foreign.num_blocks,
-                    step,
-                    foreign.window_lead,
-                )
-                self.stats.holes_adopted += 1
             lo, hi = sched.num_computed, sched.num_computed + sched.num_scheduled
             if lo >= prompt_len and self._h2o_owned(sched.req_id):
                 self.scored[first] = sched.req_id  # H2O: accumulate its decode attention
@@ -309,38 +314,18 @@ class MemoryScheduler(GrowthReserve):
                         )
                     )
                     self.stats.packs += 1
-                    if sched.req_id in self.packed:
+                    if state.packed:
                         self.stats.repacks += 1  # recomputed after a preemption
-                    self.packed.add(sched.req_id)
-        for req_id in list(self.planner.holes):
-            if req_id not in self.live:
+                    state.packed = True
+        for req_id, state in self.states.items():
+            if state.hole is None or req_id not in self.live:
                 continue
             self._release(req_id)
-            hole = self.planner.visible(req_id, step)
-            if hole is not None:
-                emitted: Hole | None = Hole(
-                    hole.first_block, hole.start, hole.length, hole.window_lead, req_id
-                )
-                if self.guard is not None and self.guard.frontier(req_id) != 0:
-                    # block 0 may be shared with another live request: key by the last
-                    # block, for requests in this step's batch (the others have no row)
-                    if req_id not in seq_lens:
-                        emitted = None
-                    else:
-                        emitted = keyed_by_last_block(
-                            Hole(
-                                hole.first_block, hole.start, hole.length, hole.window_lead, req_id
-                            ),
-                            ledger.block_ids(req_id),
-                            seq_lens[req_id],
-                            self.block_size,
-                        )
-                if emitted is not None:
-                    meta.holes[emitted.first_block] = emitted
-            held = len(ledger.blocks(req_id)) - self._freed.get(req_id, 0)
+            held = len(ledger.blocks(req_id)) - state.freed
             if held > self.stats.peak_held.get(req_id, 0):
                 self.stats.peak_held[req_id] = held
-        self.step += 1
+        for job in packs:  # its hole goes back once every rank reported the pack
+            self.rank_packs.expect(job.req_id)
         return packs
 
     def _protected_blocks(self, req_id: str, row: list[Any], prompt_len: int) -> int:
@@ -350,7 +335,7 @@ class MemoryScheduler(GrowthReserve):
         if self.guard is None:
             return 0
         full = prompt_len // self.block_size
-        protected = min(self._hit_blocks.get(req_id, 0), full)
+        protected = min(self._state(req_id).hit_blocks, full)
         for index in range(full - 1, protected - 1, -1):
             if row[index].ref_cnt > 1:
                 return index + 1

@@ -7,14 +7,14 @@ declaration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcompact.vllm.holes import Hole
 from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
 from lmcompact.vllm.memory.planner import HolePlanner
+from lmcompact.vllm.memory.rank_packs import RankPacks
+from lmcompact.vllm.request_state import RequestStates
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class MemoryStats:
     packs: int = 0
     blocks_released: int = 0
     blocks_kept_shared: int = 0
-    holes_adopted: int = 0
+    holes_adopted: int = 0  # compacted store loads whose holes this group gives back
     repacks: int = 0
     preemptions: int = 0
     admissions_deferred: int = 0
@@ -59,24 +59,19 @@ class MemorySchedulerState:
     """Attributes of the memory scheduler that its parts use, and the ledger accessor."""
 
     planner: HolePlanner
+    states: RequestStates
     block_size: int
     window: int
     capture: bool
     ledger: BlockLedger | None
-    step: int
     live: dict[str, Any]
     forgotten: set[str]
     merges: list[MergeJob]
     scored: dict[int, str]
     reserve_growth: bool
-    packed: set[str]
-    _released_to: dict[str, int]
-    _freed: dict[str, int]
+    rank_packs: RankPacks
     stats: MemoryStats
-    held_back: Callable[[str], bool]
-    load_hole: Callable[[str], Hole | None]
     guard: PrefixCacheGuard | None
-    _hit_blocks: dict[str, int]
 
     def _ledger(self) -> BlockLedger:
         if self.ledger is None:

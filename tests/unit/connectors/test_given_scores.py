@@ -45,12 +45,12 @@ def test_scoring_and_storing_requests_are_read() -> None:
     prompt = list(range(2 * CHUNK + 3))
     probe = _request("probe", prompt, {"save": False})
     assert half.num_new_matched_tokens(probe, 0) == 0
-    assert half._requests["probe"].no_save and half._requests["probe"].token_scores is None
+    assert half.states["probe"].no_save and half.states["probe"].token_scores is None
     scores = [float(i % 7) for i in range(len(prompt))]
     store = _request("store", prompt, {"token_scores": scores})
     half.num_new_matched_tokens(store, 0)
-    assert not half._requests["store"].no_save
-    assert half._requests["store"].token_scores == scores
+    assert not half.states["store"].no_save
+    assert half.states["store"].token_scores == scores
 
 
 def test_bad_or_unusable_scores_are_logged_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
@@ -58,11 +58,11 @@ def test_bad_or_unusable_scores_are_logged_and_ignored(caplog: pytest.LogCapture
     half = _half("self_info")
     with caplog.at_level(logging.ERROR, logger="lmcompact.vllm.scheduler_side"):
         half.num_new_matched_tokens(_request("short", prompt, {"token_scores": [1.0]}), 0)
-    assert half._requests["short"].token_scores is None
+    assert half.states["short"].token_scores is None
     assert "finite numbers" in caplog.text
     caplog.clear()
     plain = _half("snapkv")  # does not read context scores
     with caplog.at_level(logging.ERROR, logger="lmcompact.vllm.scheduler_side"):
         plain.num_new_matched_tokens(_request("r", prompt, {"token_scores": [0.0] * 65}), 0)
-    assert plain._requests["r"].token_scores is None
+    assert plain.states["r"].token_scores is None
     assert "does not read context scores" in caplog.text

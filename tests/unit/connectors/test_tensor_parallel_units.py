@@ -108,14 +108,14 @@ def test_one_refusing_rank_fails_the_load(half: SchedulerHalf) -> None:
         req_id="a", num_computed=0, num_scheduled=1, new_block_ids=list(range(1, 8)),
         replace=True, prompt_token_ids=prompt,
     )  # fmt: skip
-    tracked = half._requests["a"]
+    tracked = half.states["a"]
     tracked.block_ids = list(sched.new_block_ids)
     half._start(sched, tracked, StepMetadata())
-    assert half.load_unconfirmed("a")
+    assert half.states["a"].load_start == 0  # sent, not confirmed yet
     # rank 0 wrote the load, rank 1 refused it: the request is recomputed from the start
     failed = half.take_report(WorkerReport(loaded={"a"}, load_failed={"a"}))
     assert failed == {"a"}
-    assert half._requests["a"].loaded_end == 0 and half._requests["a"].hole is None
+    assert half.states["a"].loaded_end == 0 and half.states["a"].hole is None
 
 
 @pytest.mark.parametrize(

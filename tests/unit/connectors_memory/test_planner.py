@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcompact.vllm.memory.planner import HolePlanner, PrefillMode
+from lmcompact.vllm.memory.planner import HolePlanner, HoleState, PrefillMode
 
 BS = 32
 
@@ -96,14 +96,13 @@ def test_decode_growth_waits_for_prompt_and_pack() -> None:
     assert hole is not None and (hole.start, hole.length) == (4, 5)  # 11 full - 5 = 6 outside
 
 
-def test_adopted_holes_are_never_grown() -> None:
+def test_store_load_holes_are_never_grown() -> None:
     planner = HolePlanner(BS, PrefillMode.OFF, budget=0.5, decode_budget_blocks=4)
-    planner.adopt("r", 9, start=2, length=6, step=0)
+    planner.holes["r"] = HoleState(9, start=2, length=6, visible_from=0, owned=False)
     assert not planner.grow_for_decode("r", 9, 8 * BS, 40 * BS, step=1)
-    with pytest.raises(ValueError, match="already has hole"):
-        planner.adopt("r", 9, start=2, length=7, step=1)
-    with pytest.raises(ValueError, match="start >= 1"):
-        planner.adopt("s", 9, start=0, length=2, step=1)
+    assert planner.holes["r"].length == 6
+    planner.holes["s"] = HoleState(9, start=2, length=6, visible_from=0)  # owned: grows
+    assert planner.grow_for_decode("s", 9, 8 * BS, 40 * BS, step=1)
 
 
 @pytest.mark.parametrize(
