@@ -37,7 +37,8 @@ import torch
 
 @dataclass(frozen=True)
 class Hole:
-    """One request's hole, in blocks.
+    """One request's hole, in blocks, as the worker reads it from a step's metadata (the
+    scheduler side's record is :class:`lmcompact.vllm.request_state.HoleState`).
 
     Attributes:
         first_block: the physical block at column ``key_column`` of the request's block

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcompact.store import ChunkKey
 from lmcompact.vllm.holes import Hole
@@ -85,6 +86,8 @@ class RequestState:
         freed: release group: blocks of this request given back to the pool.
         hit_blocks: release group: leading blocks vLLM's prefix cache served the request.
         packed: release group: the prompt was packed in place at least once.
+        request: release group: vLLM's request object while it holds blocks (None: it
+            holds none).
     """
 
     prompt: list[int]
@@ -107,6 +110,7 @@ class RequestState:
     freed: int = 0
     hit_blocks: int = 0
     packed: bool = False
+    request: Any = None
 
     def drop_hole(self) -> None:
         """The hole is gone before any of its blocks went back (a refused load: vLLM
@@ -120,6 +124,7 @@ class RequestState:
         self.drop_hole()
         self.load_start = None
         self.hit_blocks = 0
+        self.request = None
 
 
 class RequestStates:

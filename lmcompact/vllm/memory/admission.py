@@ -70,7 +70,11 @@ class GrowthReserve(MemorySchedulerState):
         ledger = self.ledger
         if ledger.blocks(request.request_id):
             return True  # already running: its growth was reserved
-        running = [r for rid, r in self.live.items() if rid != request.request_id]
+        running = [
+            state.request
+            for rid, state in self.states.items()
+            if state.request is not None and rid != request.request_id
+        ]
         if not running:
             return True
         final = self._final_blocks(request)

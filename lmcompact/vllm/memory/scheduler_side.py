@@ -1,5 +1,9 @@
 """Scheduler half of memory saving: opens holes, returns their blocks, plans packs.
 
+The holes, and what was given back of them, live in each request's one
+:class:`~lmcompact.vllm.request_state.RequestState` (the store half owns the records and
+opens the holes of compacted loads there; this half releases those the same way).
+
 Hooks into vLLM's ``KVCacheManager`` (given to connectors by ``bind_kv_cache_manager``)
 by wrapping three methods of that one instance:
 
@@ -8,7 +12,8 @@ by wrapping three methods of that one instance:
   freed blocks already count for this step's admissions (like vLLM's own
   ``remove_skipped_blocks``, which runs at the same point);
 * ``free(request)`` and ``pop_blocks_for_free(request)``: vLLM is taking all the request's
-  blocks back (finish, abort, preemption): forget its hole. vLLM's own free then returns
+  blocks back (finish, abort, preemption): forget its hole and what was released of it
+  (:meth:`lmcompact.vllm.request_state.RequestStates.forget`). vLLM's own free then returns
   the blocks still held; the null entries of the hole are skipped by ``free_blocks``.
 
 Timeline of one compacted prompt (step = one ``schedule()`` + forward)::
@@ -96,7 +101,6 @@ class MemoryScheduler(GrowthReserve):
         self.window = window
         self.capture = capture and needs_scores and window > 0
         self.ledger: BlockLedger | None = None
-        self.live: dict[str, Any] = {}
         self.forgotten: set[str] = set()  # blocks taken back since the last step's metadata
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
@@ -150,7 +154,7 @@ class MemoryScheduler(GrowthReserve):
         """A request is about to get blocks this step: release and grow its hole."""
         req_id = request.request_id
         ledger = self._ledger()
-        self.live[req_id] = request
+        self._state(req_id).request = request
         row = ledger.blocks(req_id)
         if not row:
             return
@@ -205,7 +209,6 @@ class MemoryScheduler(GrowthReserve):
     def forget(self, req_id: str) -> None:
         """vLLM takes every block of ``req_id`` back (finish, abort, preemption)."""
         self.states.forget(req_id, finished=False)
-        self.live.pop(req_id, None)
         self.rank_packs.drop(req_id)
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
@@ -264,9 +267,11 @@ class MemoryScheduler(GrowthReserve):
 
     # ------------------------------------------------------------------ per step
     def plan_step(self, scheduler_output: Any, meta: StepMetadata) -> list[PackJob]:
-        """Add this step's holes and captures to ``meta``; return the packs to run.
+        """Open prefill-end holes, give visible hole blocks back, add captures to ``meta``;
+        return the packs to run.
 
-        Called from ``build_connector_meta``, after the base connector filled ``meta``.
+        Called from ``build_connector_meta``, after the store half filled ``meta`` and
+        before it adds the step's holes (:meth:`SchedulerHalf.end_step`).
         """
         ledger = self._ledger()
         packs: list[PackJob] = []
@@ -275,11 +280,11 @@ class MemoryScheduler(GrowthReserve):
         self.stats.preemptions += len(shim.preempted_req_ids(scheduler_output))
         load_starts = {load.req_id: load.start for load in meta.loads}
         for sched in shim.scheduled_requests(scheduler_output):
-            request = self.live.get(sched.req_id)
+            state = self.states.get(sched.req_id)
+            request = None if state is None else state.request
             blocks = ledger.blocks(sched.req_id)
-            if request is None or not blocks:
+            if state is None or request is None or not blocks:
                 continue
-            state = self._state(sched.req_id)
             if sched.replace:  # new or resumed: what vLLM's own cache served it
                 hit = load_starts.get(sched.req_id, sched.num_computed)
                 state.hit_blocks = hit // self.block_size
@@ -318,7 +323,7 @@ class MemoryScheduler(GrowthReserve):
                         self.stats.repacks += 1  # recomputed after a preemption
                     state.packed = True
         for req_id, state in self.states.items():
-            if state.hole is None or req_id not in self.live:
+            if state.hole is None or state.request is None:
                 continue
             self._release(req_id)
             held = len(ledger.blocks(req_id)) - state.freed

@@ -8,7 +8,6 @@ declaration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lmcompact.vllm.memory.blocks import BlockLedger, PrefixCacheGuard
 from lmcompact.vllm.memory.heavy_hitters import MergeJob
@@ -64,7 +63,6 @@ class MemorySchedulerState:
     window: int
     capture: bool
     ledger: BlockLedger | None
-    live: dict[str, Any]
     forgotten: set[str]
     merges: list[MergeJob]
     scored: dict[int, str]

@@ -120,8 +120,9 @@ def run_memory(
         if not audit.ok:
             problems.append(f"step {step}: {audit}")
         if memory.stats.blocks_released > freed_before:
-            for rid in memory._freed:
-                released_at.setdefault(rid.rsplit("-", 1)[0], step)
+            for rid, state in memory.states.items():
+                if state.freed:
+                    released_at.setdefault(rid.rsplit("-", 1)[0], step)
             freed_before = memory.stats.blocks_released
         step += 1
     final = audit_pool(manager)

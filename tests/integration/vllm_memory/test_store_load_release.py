@@ -2,8 +2,9 @@
 
 The base connector loads a stored, compacted prefix packed into the request's first
 blocks and skips the rest (the hole) in attention; vLLM still allocates the full-length
-blocks at admission. The memory connector adopts that hole and returns its blocks in the
-first scheduling pass after the worker reported the load written. Checked: the request
+blocks at admission. The release group gives that hole's blocks back (the store half opened
+the hole in the request's one record, where the release group finds it) in the first
+scheduling pass after the worker reported the load written. Checked: the request
 holds fewer blocks while it decodes, the pool balances, and garbage written into every
 free block after each step changes nothing in its output.
 """
