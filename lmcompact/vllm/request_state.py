@@ -88,6 +88,8 @@ class RequestState:
         packed: release group: the prompt was packed in place at least once.
         request: release group: vLLM's request object while it holds blocks (None: it
             holds none).
+        packs_owed: release group, tensor parallel: ranks that have not reported the last
+            planned pack (its hole blocks stay held until none does).
     """
 
     prompt: list[int]
@@ -111,6 +113,7 @@ class RequestState:
     hit_blocks: int = 0
     packed: bool = False
     request: Any = None
+    packs_owed: set[int] = field(default_factory=set)
 
     def drop_hole(self) -> None:
         """The hole is gone before any of its blocks went back (a refused load: vLLM

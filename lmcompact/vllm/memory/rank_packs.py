@@ -12,39 +12,38 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from lmcompact.vllm.request_state import RequestStates
+
 
 class RankPacks:
-    """Pending pack reports per request.
+    """Pending pack reports, kept in each request's record
+    (:attr:`lmcompact.vllm.request_state.RequestState.packs_owed`; they go with it).
 
     Args:
         tp_size: tensor-parallel ranks (>= 1).
+        states: the scheduler side's records.
     """
 
-    def __init__(self, tp_size: int) -> None:
+    def __init__(self, tp_size: int, states: RequestStates) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.tp_size = tp_size
-        self._waiting: dict[str, set[int]] = {}
+        self.states = states
 
     def expect(self, req_id: str) -> None:
         """A pack of ``req_id`` was planned (again, after a preemption: all ranks owe it)."""
-        if self.tp_size > 1:
-            self._waiting[req_id] = set(range(self.tp_size))
+        state = self.states.get(req_id)
+        if self.tp_size > 1 and state is not None:
+            state.packs_owed = set(range(self.tp_size))
 
     def confirm(self, packed: Iterable[tuple[str, int]]) -> None:
         """Fold one step's merged reports in: ``(request id, rank)`` per pack done."""
         for req_id, rank in packed:
-            waiting = self._waiting.get(req_id)
-            if waiting is None:
-                continue
-            waiting.discard(rank)
-            if not waiting:
-                del self._waiting[req_id]
+            state = self.states.get(req_id)
+            if state is not None:
+                state.packs_owed.discard(rank)
 
     def pending(self, req_id: str) -> bool:
         """Whether some rank has not reported the last planned pack of ``req_id``."""
-        return req_id in self._waiting
-
-    def drop(self, req_id: str) -> None:
-        """The request finished: forget it."""
-        self._waiting.pop(req_id, None)
+        state = self.states.get(req_id)
+        return state is not None and bool(state.packs_owed)

@@ -105,7 +105,7 @@ class MemoryScheduler(GrowthReserve):
         self.merges: list[MergeJob] = []  # H2O merges planned since the last step's metadata
         self.scored: dict[int, str] = {}  # H2O requests decoding this step: first block -> id
         self.reserve_growth = reserve_growth
-        self.rank_packs = RankPacks(tp_size)  # pack reports some rank still owes
+        self.rank_packs = RankPacks(tp_size, states)  # pack reports some rank still owes
         self.stats = MemoryStats()
         # with vLLM's prefix caching: the guard keeping compacted blocks unhashed
         self.guard: PrefixCacheGuard | None = None
@@ -209,7 +209,6 @@ class MemoryScheduler(GrowthReserve):
     def forget(self, req_id: str) -> None:
         """vLLM takes every block of ``req_id`` back (finish, abort, preemption)."""
         self.states.forget(req_id, finished=False)
-        self.rank_packs.drop(req_id)
         self.merges = [job for job in self.merges if job.req_id != req_id]
         self.forgotten.add(req_id)
 

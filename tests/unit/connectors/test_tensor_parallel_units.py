@@ -19,6 +19,7 @@ from lmcompact.vllm.memory.rank_packs import RankPacks
 from lmcompact.vllm.memory.release import refuse_under_tensor_parallel
 from lmcompact.vllm.metadata import StepMetadata, WorkerReport
 from lmcompact.vllm.options import parse
+from lmcompact.vllm.request_state import RequestState, RequestStates
 from lmcompact.vllm.scheduler_side import SchedulerHalf
 
 CHUNK = 64
@@ -156,7 +157,9 @@ def test_kv_heads_must_split_across_ranks() -> None:
 
 
 def test_a_hole_waits_for_every_rank_pack_report() -> None:
-    packs = RankPacks(2)
+    states = RequestStates()
+    states.add("r", RequestState(prompt=[1], keys=[]))
+    packs = RankPacks(2, states)
     packs.expect("r")
     packs.confirm({("r", 0), ("other", 1)})
     assert packs.pending("r")  # rank 1 has not packed yet: its blocks stay held
@@ -164,10 +167,11 @@ def test_a_hole_waits_for_every_rank_pack_report() -> None:
     assert not packs.pending("r")
     packs.expect("r")  # re-packed after a preemption: both ranks owe it again
     assert packs.pending("r")
-    packs.drop("r")
+    states.forget("r", finished=True)  # they go with the request's record
     assert not packs.pending("r")
-    single = RankPacks(1)
+    single = RankPacks(1, states)
+    states.add("r", RequestState(prompt=[1], keys=[]))
     single.expect("r")
     assert not single.pending("r")  # one rank: its own step order is enough
     with pytest.raises(ValueError, match="tp_size"):
-        RankPacks(0)
+        RankPacks(0, states)
