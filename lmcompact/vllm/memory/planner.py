@@ -272,7 +272,3 @@ class HolePlanner:
         if hole is None or hole.length == 0 or hole.visible_from > step:
             return None
         return hole
-
-    def forget(self, req_id: str) -> None:
-        """The request's blocks went back to vLLM (finish, abort, preemption)."""
-        self.holes.pop(req_id, None)
