@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(single-pass sampled queries) instead of KVzip's reconstruction request",
     )
     parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=256,
+        help="--engine vllm: the store's chunk in tokens (the connector's chunk_size; a "
+        "context needs at least two chunks)",
+    )
+    parser.add_argument(
         "--policy-params",
         type=json.loads,
         default={},
@@ -174,6 +181,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             seed=args.seed,
             reconstruct=args.reconstruct,
             policy_params=args.policy_params,
+            chunk_size=args.chunk_size,
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)

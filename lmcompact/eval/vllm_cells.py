@@ -166,11 +166,15 @@ def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
 
 def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
     """The ``policy`` of a row: the name, ``+reconstruct`` when the store request was
-    KVzip's reconstruction pass, and any ``policy_params`` (``kvzip+reconstruct(share=True)``)."""
+    KVzip's reconstruction pass, any ``policy_params`` (``kvzip+reconstruct(share=True)``),
+    and ``@chunk N`` when the store chunk is not the default 256 tokens (rows of different
+    chunk sizes must not merge as one cell)."""
     label = policy + ("+reconstruct" if reconstruct else "")
     params = config.policy_params.get(policy)
     if params:
         label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+    if config.chunk_size != VllmEvalConfig.chunk_size:
+        label += f"@chunk{config.chunk_size}"
     return label
 
 

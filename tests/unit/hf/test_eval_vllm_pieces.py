@@ -199,6 +199,9 @@ def test_save_mode_of_kvzip_uses_the_reconstruction_request() -> None:
     assert not uses_reconstruction("save", "kvzip", VllmEvalConfig(reconstruct=False))
     assert policy_label("kvzip", config, True) == "kvzip+reconstruct(kernel_size=15,share=True)"
     assert policy_label("snapkv", config, False) == "snapkv"
+    wide = VllmEvalConfig(policies=["snapkv"], chunk_size=1024)
+    assert policy_label("snapkv", wide, False) == "snapkv@chunk1024"
+    assert connector_extra("save", "snapkv", 0.5, wide, "ns")["chunk_size"] == 1024
     extra = connector_extra("save", "kvzip", 0.5, config, "ns")
     assert extra["policy_params"] == {"share": True, "kernel_size": 15}
     assert "policy_params" not in connector_extra("save", "snapkv", 0.5, config, "ns")
