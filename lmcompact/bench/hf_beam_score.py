@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmcompact.compare import rel_err
+
 # configurations whose decode should be as accurate as DynamicCache's in the same dtype
 # (int8 K/V and compaction change what attention sees on purpose: reported, not judged)
 SAME_PRECISION = ("paged", "paged_eager")
@@ -77,11 +79,6 @@ def forced_logits(model: Any, cache: Any, prompt_ids: Any, tokens: list[int], be
             out = model(fed[step, :, None], past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1].float().cpu())
     return torch.stack(logits)
-
-
-def rel_err(got: Any, want: Any) -> float:
-    """``||got - want|| / ||want||`` (Frobenius)."""
-    return float((got - want).norm() / want.norm())
 
 
 def reference_rows(

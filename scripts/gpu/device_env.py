@@ -43,6 +43,8 @@ except ImportError:  # copies carried in .vcarry/py (git-ignored)
 
 import torch  # noqa: E402
 
+from lmcompact.compare import rel_err as rel_err  # noqa: E402  (for the check scripts)
+
 
 def on_cuda() -> bool:
     return torch.cuda.is_available()
@@ -106,12 +108,6 @@ def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
         f"r{i}": tiny_prompt_ids(args.prompt_tokens - 37 * i, seed=100 + i, vocab=args.vocab)
         for i in range(args.requests)
     }
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float64."""
-    denom = float(want.double().norm())
-    return float((got.double() - want.double()).norm()) / max(denom, 1e-30)
 
 
 Result = dict[str, Any]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from lmcompact import compare
+
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float32; a NaN or inf in ``got`` fails (a poisoned
-    slot was read, or a kernel overflowed)."""
+    """:func:`lmcompact.compare.rel_err`; a NaN or inf in ``got`` fails (a poisoned slot was
+    read, or a kernel overflowed)."""
     assert torch.isfinite(got).all(), "NaN or inf in the output (a poisoned slot was read?)"
-    denom = want.float().norm().item()
-    return (got.float() - want.float()).norm().item() / max(denom, 1e-12)
+    return compare.rel_err(got, want)
