@@ -59,21 +59,19 @@ def global_keep_mask(
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     layers, heads, length = scores.shape
-    device = scores.device
+    # the whole choice on the CPU: a few (L*H, T) passes, and the mask goes there anyway
     flat_valid = None
     if valid is not None:
-        valid = valid.to(device)
-        flat_valid = valid.expand(layers, heads, length).reshape(layers * heads, length)
-    rows = scores.detach().double().reshape(layers * heads, length)
+        flat_valid = valid.cpu().expand(layers, heads, length).reshape(layers * heads, length)
+    rows = scores.detach().double().cpu().reshape(layers * heads, length)
     total = layers * heads * keep
     everything_valid = None if flat_valid is None else flat_valid.reshape(1, -1)
     chosen = topk_mask(rows.reshape(1, -1), total, everything_valid).view(layers * heads, length)
     votes = chosen.double().mean(dim=0)  # (T,) share of (layer, head) rows choosing t
-    rank = rank_fraction(rows, flat_valid).cpu()
+    rank = rank_fraction(rows, flat_valid)
     if share:
         key = (votes + _TIE * rank.mean(dim=0)).expand(layers * heads, -1)
     else:
         # chosen entries first, by the row's own rank; then the rest by votes
         key = torch.where(chosen, 2.0 + rank, votes + _TIE * rank)
-    valid_cpu = None if flat_valid is None else flat_valid.cpu()
-    return topk_mask(key, keep, valid_cpu).view(layers, heads, length)
+    return topk_mask(key, keep, flat_valid).view(layers, heads, length)

@@ -162,7 +162,6 @@ class KVzip(ScorePolicy):
     def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
         if self.allocation == "head":
             return super().plan_scored(inputs, scores)
-        stacked = torch.stack([s.detach().double().cpu() for s in scores])
-        valid = None if inputs.valid is None else inputs.valid.cpu()
-        masks = global_keep_mask(stacked, self.keep_count(inputs), valid, share=self.share)
+        stacked = torch.stack([s.detach() for s in scores])
+        masks = global_keep_mask(stacked, self.keep_count(inputs), inputs.valid, share=self.share)
         return KeepPlan.from_masks(masks)
