@@ -20,11 +20,14 @@ heads need, rather than its own weak preferences).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import descending_order, topk_mask
 
-__all__ = ["global_keep_mask", "rank_fraction"]
+__all__ = ["global_keep_mask", "global_keep_plan", "rank_fraction"]
 
 _TIE = 1e-4
 """Weight of a head's own rank in the vote ranking (votes differ by >= 1 / (L x H))."""
@@ -75,3 +78,11 @@ def global_keep_mask(
         # chosen entries first, by the row's own rank; then the rest by votes
         key = torch.where(chosen, 2.0 + rank, votes + _TIE * rank)
     return topk_mask(key, keep, flat_valid).view(layers, heads, length)
+
+
+def global_keep_plan(
+    scores: Sequence[torch.Tensor], keep: int, valid: torch.Tensor | None, share: bool
+) -> KeepPlan:
+    """The :class:`KeepPlan` of :func:`global_keep_mask` over per-layer ``(H, T)`` scores."""
+    stacked = torch.stack([s.detach() for s in scores])
+    return KeepPlan.from_masks(global_keep_mask(stacked, keep, valid, share=share))

@@ -10,7 +10,7 @@ import torch
 
 from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import pool_scores
-from lmcompact.policies.allocation import global_keep_mask
+from lmcompact.policies.allocation import global_keep_plan
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 from lmcompact.policies.kvzip import sample_query_positions
 
@@ -173,7 +173,8 @@ class ExpectedAttention(ScorePolicy):
         valid = inputs.valid_or_all().to(keys.device)
         sinks = (inputs.positions_or_arange() < self.n_sink).to(keys.device)
         # the sinks (kept anyway) stay out of the softmax, as in the paper's code
-        normalized = valid & ~sinks if bool((valid & ~sinks).any(dim=-1).all()) else valid
+        late = valid & ~sinks
+        normalized = late if bool(late.any(dim=-1).all()) else valid
         normalized = normalized.repeat_interleave(group, dim=0)
         probs = torch.softmax(logits.masked_fill(~normalized, float("-inf")), dim=-1)
         scores = probs.view(h, group, t).mean(dim=1)
@@ -190,8 +191,4 @@ class ExpectedAttention(ScorePolicy):
     def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
         if not self.share:
             return super().plan_scored(inputs, scores)
-        stacked = torch.stack([s.detach().double().cpu() for s in scores])
-        valid = None if inputs.valid is None else inputs.valid.cpu()
-        return KeepPlan.from_masks(
-            global_keep_mask(stacked, self.keep_count(inputs), valid, share=True)
-        )
+        return global_keep_plan(scores, self.keep_count(inputs), inputs.valid, share=True)

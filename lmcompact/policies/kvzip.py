@@ -8,7 +8,7 @@ import torch
 
 from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import pool_scores
-from lmcompact.policies.allocation import global_keep_mask
+from lmcompact.policies.allocation import global_keep_plan
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 
 ALLOCATIONS = ("head", "global")
@@ -162,6 +162,4 @@ class KVzip(ScorePolicy):
     def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
         if self.allocation == "head":
             return super().plan_scored(inputs, scores)
-        stacked = torch.stack([s.detach() for s in scores])
-        masks = global_keep_mask(stacked, self.keep_count(inputs), inputs.valid, share=self.share)
-        return KeepPlan.from_masks(masks)
+        return global_keep_plan(scores, self.keep_count(inputs), inputs.valid, self.share)
