@@ -29,6 +29,17 @@ scored layer and head, from one ``(T,)`` score, max-pooled with width ``kN``):
   ``background``: a span ranks by how much it stands out from its surroundings);
 - suffix ``_glob``: one top-k over the whole context instead of per chunk (ragged counts).
 
+Per-head methods (each (layer, kv head) keeps its own tokens, KVzip's own allocation; the
+first sinks scored 1 as kvpress's ``KVzipPress``; output also gives each method's padded
+footprint, the largest per-head count over ``T``, what a vLLM block row would hold):
+
+- ``kvz_glob``: one top-k over every (layer, head, token) of the whole context (kvpress's
+  ``KVzipPress`` with ``layerwise=False``);
+- ``kvz_chunk``: the same top-k within each chunk (the store's chunks, counts per chunk);
+- ``kvz_head``: each (layer, head) its own top-k over the whole context (uniform counts);
+- suffix ``_sN``: cap each (layer, head) at ``N / 100`` times the budget's count (the
+  padded footprint then is at most that).
+
 Haystacks (``--text``): ``pydoc`` (the eval's, default) or ``licenses``: the plain-English
 license texts of Debian's ``/usr/share/common-licenses`` (GPL, LGPL, GFDL, Apache, ...),
 paragraphs rotated to a seed-chosen start, a second kind of prose to check a rule on.
@@ -41,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -115,12 +127,48 @@ def select(score: torch.Tensor, chunk: int, kept: int, kernel: int, glob: bool) 
     return keep
 
 
+def capped_topk(scores: torch.Tensor, total: int, cap: int) -> torch.Tensor:
+    """``scores`` ``(G, T)`` -> bool mask with the ``total`` highest entries, each row at most
+    ``cap`` of them (a row's entries below its ``cap``-th highest are never eligible)."""
+    order = scores.argsort(dim=-1, descending=True)
+    rank = order.argsort(dim=-1)
+    eligible = torch.where(rank < cap, scores, torch.full_like(scores, -float("inf")))
+    flat = eligible.reshape(-1).topk(min(total, int((rank < cap).sum()))).indices
+    keep = torch.zeros(scores.numel(), dtype=torch.bool)
+    keep[flat] = True
+    return keep.view_as(scores)
+
+
+def perhead_masks(rec: Reconstruction, method: str, budget: float, chunk: int) -> torch.Tensor:
+    """``(L, Hkv, T)`` bool kept keys of a per-head method (``kvz_*``)."""
+    _, mode, *options = method.split("_")
+    slack = next((int(o[1:]) / 100 for o in options if o.startswith("s")), None)
+    scores = rec.scores.double().clone()
+    scores[..., :N_SINK] = 1.0 + 1e-3  # kvpress: sinks at 1 (the largest softmax weight)
+    layers, heads, t = scores.shape
+    keep = torch.zeros(layers, heads, t, dtype=torch.bool)
+    if mode == "head":
+        count = int(t * budget)
+        keep.scatter_(-1, scores.topk(count, dim=-1).indices, True)
+        return keep
+    span = t if mode == "glob" else chunk
+    for lo in range(0, t, span):
+        part = scores[..., lo : lo + span].reshape(layers * heads, -1)
+        width = part.shape[-1]
+        cap = width if slack is None else min(width, math.ceil(width * budget * slack))
+        chosen = capped_topk(part, int(part.numel() * budget), cap)
+        keep[..., lo : lo + span] = chosen.view(layers, heads, width)
+    return keep
+
+
 def keep_masks(
     rec: Reconstruction, method: str, budget: float, chunk: int, heads: int
 ) -> torch.Tensor:
     """``(L, Hkv, T)`` bool kept keys of one method, sliding layers as the store leaves them."""
     t, layers = rec.context_len, rec.scores.shape[0]
     kept = int(chunk * budget)
+    if method.startswith("kvz_"):
+        return perhead_masks(rec, method, budget, chunk)
     if method == "streaming_llm":
         shared = torch.zeros(t, dtype=torch.bool)
         shared[:N_SINK] = True
@@ -225,6 +273,7 @@ def main() -> None:
     repeat_ids = list(tok(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
     budgets = [float(b) for b in args.budgets.split(",")]
     results: dict[str, list[float]] = {}
+    footprints: dict[str, list[float]] = {}
     rows: list[dict[str, Any]] = []
     for index in range(args.first_sample, args.first_sample + args.samples):
         stored = tasks.build_stored_context(
@@ -246,6 +295,9 @@ def main() -> None:
                 for m in args.methods.split(","):
                     methods.append((f"{m}@{b}", keep_masks(rec, m, b, args.chunk, heads)))
             for method, keep in methods:
+                if keep is not None:
+                    footprint = float(keep.sum(-1).max()) / rec.context_len
+                    footprints.setdefault(method, []).append(footprint)
                 set_keep(keep)
                 for q, needle in enumerate(stored.needles):
                     ids = answer(model, rec, stored.question_ids[q], args.new_tokens)
@@ -266,7 +318,11 @@ def main() -> None:
             model.set_attn_implementation(previous)
         line = ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in results.items())
         print(f"sample {index}: reconstruction pass {seconds:.1f} s; {line}", flush=True)
-    summary = {k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in results.items()}
+    summary: dict[str, dict[str, float]] = {
+        k: {"accuracy": sum(v) / len(v), "n": len(v)} for k, v in results.items()
+    }
+    for k, f in footprints.items():
+        summary[k]["padded_footprint"] = max(f)
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as fh:

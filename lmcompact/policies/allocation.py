@@ -27,7 +27,7 @@ import torch
 from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import descending_order, topk_mask
 
-__all__ = ["global_keep_mask", "global_keep_plan", "rank_fraction"]
+__all__ = ["global_keep_mask", "global_keep_plan", "rank_fraction", "ragged_keep_mask"]
 
 _TIE = 1e-4
 """Weight of a head's own rank in the vote ranking (votes differ by >= 1 / (L x H))."""
@@ -86,3 +86,32 @@ def global_keep_plan(
     """The :class:`KeepPlan` of :func:`global_keep_mask` over per-layer ``(H, T)`` scores."""
     stacked = torch.stack([s.detach() for s in scores])
     return KeepPlan.from_masks(global_keep_mask(stacked, keep, valid, share=share))
+
+
+def ragged_keep_mask(
+    scores: torch.Tensor, keep: int, cap: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(L, H, T)`` bool: KVzip's own ragged choice, the global top ``L x H x keep``
+    entries, each (layer, head) keeping at most ``cap`` (its best ``cap`` are eligible).
+
+    kvpress's ``KVzipPress`` (``layerwise=False``) is this with no cap; a layout that pads
+    every head to its largest count (the vLLM store's ``store.per_head``) needs one.
+
+    Args:
+        scores: ``(L, H, T)`` float scores (+inf forces a keep; NaN is an error).
+        keep: mean tokens per (layer, head); ``L x H x keep`` are kept in all.
+        cap: most tokens one (layer, head) keeps (>= ``keep``).
+        valid: ``(H, T)`` bool, False for padding (never kept); None: all valid.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be (layers, heads, T), got {tuple(scores.shape)}")
+    if not 1 <= keep <= cap:
+        raise ValueError(f"need 1 <= keep <= cap, got keep {keep}, cap {cap}")
+    layers, heads, length = scores.shape
+    rows = scores.detach().double().cpu().reshape(layers * heads, length)
+    flat_valid = None
+    if valid is not None:
+        flat_valid = valid.cpu().expand(layers, heads, length).reshape(layers * heads, length)
+    eligible = topk_mask(rows, cap, flat_valid)  # each row's best ``cap`` (NaN raises)
+    chosen = topk_mask(rows.reshape(1, -1), layers * heads * keep, eligible.reshape(1, -1))
+    return chosen.view(layers, heads, length)

@@ -94,6 +94,10 @@ class CompactionInputs:
         punctuation_mask: ``(T,)`` bool, candidate is punctuation.
         budget_tokens: Optional override of the policy's budget in tokens
             (decode-time callers keep a fixed count).
+        max_tokens: Most tokens one (layer, head) may keep where the caller's layout
+            holds per-head counts (the vLLM store's ``store.per_head`` cap); None: every
+            (layer, head) keeps the budget's count. Only policies with ragged counts
+            read it (kvzip's ``allocation="ragged"``).
         query_positions: ``(W,)`` absolute positions of the window queries (with
             ``window_queries``); the future starts after the largest.
         rope: The model's rotary embedding, when the integration knows it (Expected
@@ -109,6 +113,7 @@ class CompactionInputs:
     special_mask: torch.Tensor | None = None
     punctuation_mask: torch.Tensor | None = None
     budget_tokens: int | None = None
+    max_tokens: int | None = None
     query_positions: torch.Tensor | None = None
     rope: Rope | None = None
     attention_scale: float | None = None

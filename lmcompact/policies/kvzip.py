@@ -8,10 +8,10 @@ import torch
 
 from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import pool_scores
-from lmcompact.policies.allocation import global_keep_plan
+from lmcompact.policies.allocation import global_keep_plan, ragged_keep_mask
 from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
 
-ALLOCATIONS = ("head", "global")
+ALLOCATIONS = ("head", "global", "ragged")
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 """What a reconstruction pass puts between the two copies of the context (KVzip's
@@ -94,6 +94,9 @@ class KVzip(ScorePolicy):
     head keeps its own best tokens when the global choice gave it at least its count,
     else what it was given plus the tokens most other heads were given. With ``share``
     every head keeps the tokens most heads were given. Same total kept, same memory.
+    ``allocation="ragged"`` is KVzip's own choice (kvpress's ``KVzipPress``): the global
+    top-k with ragged counts, each (layer, head) capped at ``inputs.max_tokens`` (the vLLM
+    store's ``store.per_head`` cap; without one every head keeps its count, as ``"head"``).
 
     Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
 
@@ -110,7 +113,8 @@ class KVzip(ScorePolicy):
             one digit here and another there). With a wide ``kernel_size`` (15) whole
             facts survive together. With ``allocation="global"``, the shared set is
             ranked by the global top-k's votes instead of the mean score.
-        allocation: ``"head"`` (each head its own top-k) or ``"global"`` (see above).
+        allocation: ``"head"`` (each head its own top-k), ``"global"`` or ``"ragged"``
+            (see above).
     """
 
     name = "kvzip"
@@ -141,6 +145,9 @@ class KVzip(ScorePolicy):
             raise ValueError(
                 f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}"
             )
+        if self.share and self.allocation == "ragged":
+            raise ValueError("share keeps one token set for every head; allocation 'ragged' "
+                             "gives each head its own count: choose one")
 
     def context_queries(self, length: int) -> torch.Tensor:
         return sample_query_positions(length, self.max_queries, self.window)
@@ -162,4 +169,9 @@ class KVzip(ScorePolicy):
     def plan_scored(self, inputs: CompactionInputs, scores: list[torch.Tensor]) -> KeepPlan:
         if self.allocation == "head":
             return super().plan_scored(inputs, scores)
+        if self.allocation == "ragged":
+            keep = self.keep_count(inputs)
+            cap = max(keep, min(inputs.max_tokens or keep, inputs.num_candidates))
+            stacked = torch.stack([s.detach() for s in scores])
+            return KeepPlan.from_masks(ragged_keep_mask(stacked, keep, cap, inputs.valid))
         return global_keep_plan(scores, self.keep_count(inputs), inputs.valid, self.share)

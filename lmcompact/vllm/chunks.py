@@ -54,11 +54,16 @@ def build_chunk(
     plan: KeepPlan | None,
     kept: int,
     store_dtype: torch.dtype | None,
+    cap: int | None = None,
 ) -> CompactedChunk:
     """Gather kept rows of tokens ``[lo, lo + chunk_size)`` into a :class:`CompactedChunk`.
 
     Rows are (layer, head)-major, kept tokens in original order; ``plan`` None keeps all.
+    Every (layer, head) keeps ``kept`` tokens (:func:`uniform_keep`), or with ``cap``
+    (``store.per_head``) the plan's own count, clipped to ``cap``.
     """
+    if cap is not None and plan is not None:
+        return _ragged_chunk(per_layer, lo, chunk_size, plan, cap, store_dtype)
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
     positions_out: list[torch.Tensor] = []
@@ -89,6 +94,48 @@ def build_chunk(
     )
 
 
+def _ragged_chunk(
+    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lo: int,
+    chunk_size: int,
+    plan: KeepPlan,
+    cap: int,
+    store_dtype: torch.dtype | None,
+) -> CompactedChunk:
+    """:func:`build_chunk` with the plan's per-(layer, head) counts (at most ``cap``)."""
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    positions_out: list[torch.Tensor] = []
+    counts = torch.zeros(len(per_layer), per_layer[0][0].shape[0], dtype=torch.int32)
+    for layer, (k, v) in enumerate(per_layer):
+        heads, _, dim = k.shape
+        picked = []
+        for head in range(heads):
+            chosen = plan.kept[layer][head].to(torch.int64)
+            if chosen.numel() > cap:
+                chosen = uniform_keep(chosen, cap, chunk_size)
+            counts[layer, head] = chosen.numel()
+            picked.append(chosen)
+        flat = torch.cat([head * chunk_size + p for head, p in enumerate(picked)])
+        # one index_select per layer over its (H * C, D) rows, head-major like the plan
+        rows = flat.to(k.device)
+        keys_out.append(k[:, lo : lo + chunk_size].reshape(-1, dim).index_select(0, rows))
+        values_out.append(
+            v[:, lo : lo + chunk_size].reshape(-1, v.shape[-1]).index_select(0, rows)
+        )
+        positions_out.append(torch.cat(picked).to(torch.int32))
+    keys, values = torch.cat(keys_out), torch.cat(values_out)
+    if store_dtype is not None:
+        keys, values = keys.to(store_dtype), values.to(store_dtype)
+    return CompactedChunk(
+        keys=keys.contiguous(),
+        values=values.contiguous(),
+        kept_counts=counts,
+        positions=torch.cat(positions_out).to(keys.device),
+        num_tokens=chunk_size,
+    )
+
+
 def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``(H * K, D)``: rows ``index[h]`` of ``rows[h]`` (``rows`` ``(H, C, D)``, ``index``
     ``(H, K)``), head-major."""
@@ -98,13 +145,19 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_problem(
-    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int
+    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int, cap: int | None = None
 ) -> str | None:
     """Why a stored ``chunk`` cannot be loaded into this engine, or None.
 
     The codec already refused damaged bytes and foreign formats; this checks that a valid
-    chunk fits: layers, heads, head size, dtype, chunk length and kept count.
+    chunk fits: layers, heads, head size, dtype, chunk length and kept count (``kept`` for
+    every (layer, head); with ``cap``, per-head counts, each at most ``cap``).
     """
+    if cap is not None:
+        counts = chunk.kept_counts
+        if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > cap):
+            return f"holding per-head counts in [{int(counts.min())}, {int(counts.max())}], not <= {cap}"
+        kept = -1  # compared below as the uniform count: a ragged chunk has none
     expected = (
         facts.num_layers,
         facts.num_kv_heads,
@@ -121,7 +174,7 @@ def chunk_problem(
         chunk.values.shape[1],
         chunk.dtype,
         chunk.num_tokens,
-        chunk.uniform_count(),
+        -1 if cap is not None else chunk.uniform_count(),
     )
     if got != expected:
         return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"

@@ -251,6 +251,7 @@ def compact_job(
     kept_per_chunk: int,
     store_dtype: torch.dtype | None = None,
     recent_layers: frozenset[int] = frozenset(),
+    cap: int | None = None,
 ) -> list[tuple[ChunkKey, CompactedChunk]]:
     """Compact every chunk of ``job``: ``(key, chunk)`` pairs ready for the store.
 
@@ -264,6 +265,9 @@ def compact_job(
         recent_layers: sliding-window layers: whatever the policy chose, they keep each
             chunk's last K tokens (:meth:`lmcompact.plan.KeepPlan.with_recent`), so a
             loaded prefix's last chunk sits at logical distances in their window.
+        cap: ``store.per_head``: each (layer, head) keeps the plan's own count of a chunk,
+            at most ``cap`` (the policy sees it as ``CompactionInputs.max_tokens``); None:
+            every (layer, head) keeps ``kept_per_chunk``.
     """
     if kept_per_chunk > chunk_size or kept_per_chunk < 1:
         raise ValueError(f"kept_per_chunk must be in [1, {chunk_size}], got {kept_per_chunk}")
@@ -338,6 +342,7 @@ def compact_job(
             layers,
             positions=torch.arange(job.start + lo, job.start + hi).expand(heads, -1),
             budget_tokens=kept_per_chunk,
+            max_tokens=cap,
             query_positions=stats_positions if wants_queries else window_positions,
             rope=job.rope,
             attention_scale=job.scale,
@@ -361,5 +366,5 @@ def compact_job(
             plan = policy.plan(inputs)
         if plan is not None:
             plan = plan.with_recent(recent_layers, kept_per_chunk)
-        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype)))
+        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype, cap)))
     return out

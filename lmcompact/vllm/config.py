@@ -27,13 +27,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lmcompact.policies import Budget, CompactionPolicy, Need, make_policy
 from lmcompact.store import StoreConfig
-from lmcompact.vllm.memory.config import MEMORY_KEY, RELEASE_KEY, ReleaseOptions
+from lmcompact.vllm.memory.config import (
+    MEMORY_KEY,
+    RELEASE_KEY,
+    ReleaseOptions,
+    per_head_slack,
+)
 from lmcompact.vllm.memory.planner import PrefillMode
 from lmcompact.vllm.options import (
     boolean,
@@ -123,6 +129,14 @@ class StoreOptions:
             prefill packs them in place with the policy, its window being that request's
             tail (its question); needs the ``"release"`` group with a compacting
             ``prefill`` mode.
+        per_head: ``{"slack": s}`` (s >= 1, with ``compact_on`` ``"save"``): stored chunks
+            keep the policy's own count per (layer, head) (kvzip's ``allocation``
+            ``"ragged"``, Ada-KV, PyramidKV, DuoAttention), each at most ``R = ceil(K x s)``
+            of a chunk's C tokens (whole blocks, below C), K per (layer, head) on average.
+            The store holds the ragged rows (bytes at the budget); a load packs each
+            head's rows first and pads it to ``n x R`` slots, masked per head inside
+            attention (:mod:`lmcompact.vllm.memory.perhead_attention`), so a loaded request
+            holds ``R / C`` of its prefix's blocks, not ``K / C``. None: one count K.
     """
 
     chunk_size: int = option(
@@ -138,13 +152,21 @@ class StoreOptions:
     max_pending_save_mb: int = option(8192, integer(1))
     model_id: str | None = option(None, text(nullable=True))
     compact_on: str = option("save", choice(COMPACT_ON))
+    per_head: Mapping[str, Any] | None = option(
+        None, mapping(nullable=True, allowed='an object like {"slack": 3}')
+    )
 
     def __post_init__(self) -> None:
+        self.per_head_slack()  # raises on a bad per_head object
         if ("redis" in self.tiers) != (self.redis_url is not None):
             raise ValueError(
                 f"redis_url must be set exactly when 'redis' is a tier; "
                 f"tiers={list(self.tiers)}, redis_url={self.redis_url!r}"
             )
+
+    def per_head_slack(self) -> float | None:
+        """Slack of per-head stored counts, None when every (layer, head) keeps K."""
+        return per_head_slack(self.per_head, f"{STORE_KEY}.per_head")
 
     @property
     def enabled(self) -> bool:
@@ -220,6 +242,17 @@ class ConnectorConfig:
         """Checks that relate the policy and the groups (none needs the engine)."""
         policy = self.make_policy()  # unknown policy or bad parameters raise here
         load_packs = self.compacts and self.store.compact_on == "load"
+        if self.store.per_head is not None:
+            if not self.store_compacts:
+                raise ValueError(
+                    f"{STORE_KEY}.per_head stores per-head counts of compacted chunks: it needs "
+                    "a compacting policy, a budget below 1 and compact_on 'save'"
+                )
+            if self.release is not None and self.release.per_head is not None:
+                raise ValueError(
+                    f"{STORE_KEY}.per_head and the release group's per_head together are not "
+                    "supported; choose one"
+                )
         if self.release is None:
             if load_packs:
                 raise ValueError(
@@ -254,14 +287,18 @@ class ConnectorConfig:
 
     @property
     def per_head_counts(self) -> bool:
-        """Whether (layer, head) counts may differ (``release.per_head``: padding masked)."""
-        return self.release is not None and self.release.per_head is not None
+        """Whether (layer, head) counts may differ (``release.per_head`` or
+        ``store.per_head``: padding masked)."""
+        release = self.release is not None and self.release.per_head is not None
+        return release or self.store.per_head is not None
 
     @property
     def needs_piecewise(self) -> bool:
         """Whether vLLM must run piecewise CUDA graphs (see ``cuda_graphs``)."""
-        return self.cuda_graphs != "full" or (
-            self.release is not None and self.release.needs_piecewise
+        return (
+            self.cuda_graphs != "full"
+            or self.store.per_head is not None  # the per-head recompute runs in decode too
+            or (self.release is not None and self.release.needs_piecewise)
         )
 
     @property
@@ -317,6 +354,19 @@ class ConnectorConfig:
         if not self.store_compacts:
             return chunk
         return kept_blocks(float(self.budget), chunk // block_size) * block_size
+
+    def slots_per_chunk(self, block_size: int) -> int:
+        """Slots one loaded chunk takes in a request's block row: K, or with
+        ``store.per_head`` the per-head cap ``R = ceil(K x slack)`` in whole blocks, at
+        most ``C - 1`` block (a chunk must leave a hole: attention masks the padding only
+        in rows that have one)."""
+        kept = self.kept_per_chunk(block_size)
+        slack = self.store.per_head_slack()
+        if slack is None or not self.store_compacts:
+            return kept
+        chunk = self.store.chunk_size
+        blocks = -(-math.ceil(kept * slack - 1e-9) // block_size)
+        return max(kept, min(blocks * block_size, chunk - block_size))
 
 
 def _store_group(top: dict[str, Any]) -> StoreOptions:

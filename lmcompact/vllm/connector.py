@@ -194,7 +194,9 @@ class LMCompactConnector(shim.KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------- release worker, old attribute names
     @property
     def perhead(self) -> PerHeadAttention | None:
-        return None if self.release_worker is None else self.release_worker.perhead
+        if self.release_worker is not None and self.release_worker.perhead is not None:
+            return self.release_worker.perhead
+        return None if self.worker_half is None else self.worker_half.perhead
 
     @property
     def heavy(self) -> HeavyHitterScores | None:

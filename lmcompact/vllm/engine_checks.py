@@ -64,7 +64,7 @@ def validate_against_engine(
 
     A compacting policy must (1) keep the same number of tokens in every (layer, head),
     because attention skips one block-aligned hole per request (unless ``per_head_counts``:
-    ``release.per_head`` pads and masks), and (2) need only inputs
+    ``release.per_head`` and ``store.per_head`` pad and mask), and (2) need only inputs
     the connector captures. vLLM's prefix caching may stay on: compacted blocks are kept
     out of its cache (:class:`lmcompact.vllm.memory.blocks.PrefixCacheGuard`).
     """
@@ -112,7 +112,7 @@ def validate_against_engine(
             "vLLM connector needs the same count everywhere (attention skips one "
             "block-aligned hole per request). Uniform policies: none, streaming_llm, snapkv, "
             "knorm, tova, random, kvzip, expected_attention; per-head policies run with "
-            'the "release" option "per_head"'
+            'the "release" option "per_head" (in place) or the "store" option "per_head"'
         )
 
 

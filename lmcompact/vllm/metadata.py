@@ -108,6 +108,8 @@ class StepMetadata:
         saves: spans to store after the forward pass.
         holes: hole per first physical block id, for every scheduled row that has one.
         finished: ids of requests that finished (drop their pending captures).
+        taken_back: ids of requests vLLM preempted this step (their blocks are gone: a
+            later load or recompute starts them again).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -115,9 +117,17 @@ class StepMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     holes: dict[int, Hole] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
+    taken_back: set[str] = field(default_factory=set)
 
     def is_idle(self) -> bool:
-        return not (self.loads or self.captures or self.saves or self.holes or self.finished)
+        return not (
+            self.loads
+            or self.captures
+            or self.saves
+            or self.holes
+            or self.finished
+            or self.taken_back
+        )
 
 
 @dataclass

@@ -94,8 +94,11 @@ class StoreLookup(SchedulerState):
             or num_computed % c
             or tracked.reconstruct is not None
             or tracked.no_save
+            or (num_computed and self.config.store.per_head is not None)
         ):
-            return 0  # a reconstruction or scoring pass computes its whole prompt itself
+            # a reconstruction or scoring pass computes its whole prompt itself; per-head
+            # loads pack each head's rows from slot 0 (after vLLM's own hits they could not)
+            return 0
         first = num_computed // c
         last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
         if last <= first:

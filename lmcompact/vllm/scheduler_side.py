@@ -68,7 +68,8 @@ class SchedulerHalf(StoreLookup, SavePlanning):
                 f"{facts.tp_size} ranks"
             )
         self.keyer = keyer
-        self.kept = config.kept_per_chunk(facts.block_size)
+        # slots a loaded chunk takes in the block row (K, or the per-head cap R)
+        self.kept = config.slots_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
         self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self.states = RequestStates()  # one record per live request, shared by the halves
@@ -124,6 +125,7 @@ class SchedulerHalf(StoreLookup, SavePlanning):
             self._plan_save(sched, tracked, meta)
         for req_id in shim.preempted_req_ids(scheduler_output):
             self.states.forget(req_id, finished=False)
+            meta.taken_back.add(req_id)
         meta.finished = shim.finished_req_ids(scheduler_output)
         for req_id in meta.finished:
             self.states.forget(req_id, finished=True)
@@ -176,10 +178,11 @@ class SchedulerHalf(StoreLookup, SavePlanning):
         tracked.load_start = start
         hole_tokens = count * (c - self.kept)
         logger.info(
-            "loading %s from the store: %d prefix tokens as %d kept per (layer, head)%s",
+            "loading %s from the store: %d prefix tokens as %d %s per (layer, head)%s",
             sched.req_id,
             count * c,
             count * self.kept,
+            "slots (per-head counts, padded)" if self.config.store.per_head else "kept",
             " (compacted)" if hole_tokens else "",
         )
         if hole_tokens:

@@ -36,7 +36,10 @@ class ChunkLoading(WorkerState):
                 self._report.load_failed.add(load.req_id)
             self.stats["load_failures"] += 1
             return
-        self._write_chunks(load, chunks)
+        if self.cap is None:
+            self._write_chunks(load, chunks)
+        else:
+            self._write_per_head(load, chunks)
         with self._lock:
             self._report.loaded.add(load.req_id)
         self.stats["loads"] += 1
@@ -67,6 +70,43 @@ class ChunkLoading(WorkerState):
             # buffers may be reused once this returns, so wait once for the whole load.
             torch.cuda.current_stream(device).synchronize()
 
+    def _write_per_head(self, load: LoadSpec, chunks: list[CompactedChunk]) -> None:
+        """``store.per_head``: each (layer, head) gets its rows of every chunk, in order,
+        from slot ``load.start``, and zeros up to ``n * slots`` (the scheduler's hole starts
+        there); the per-head recompute masks each head's zeros from then on::
+
+            head 0   [ rows of chunk 0 | rows of chunk 1 | 0 0 0 0 0 0 0 | hole ... ]
+            head 1   [ rows of chunk 0    | rows of chunk 1     | 0 0 0 0 | hole ... ]
+                     load.start                                 load.start + n * slots
+        """
+        assert self.perhead is not None
+        layers, heads = self.facts.num_layers, self.facts.num_kv_heads
+        device = next(iter(self.kv_caches.values())).device
+        width = len(chunks) * self.slots
+        dims = chunks[0].keys.shape[1], chunks[0].values.shape[1]
+        keys = torch.zeros(layers, heads, width, dims[0], dtype=chunks[0].dtype, device=device)
+        values = torch.zeros(layers, heads, width, dims[1], dtype=chunks[0].dtype, device=device)
+        flat_keys, flat_values = keys.view(-1, dims[0]), values.view(-1, dims[1])
+        groups = torch.arange(layers * heads)
+        filled = torch.zeros(layers * heads, dtype=torch.int64)
+        for chunk in chunks:
+            counts = chunk.kept_counts.to(torch.int64).flatten()  # rows are (layer, head)-major
+            owner = groups.repeat_interleave(counts)
+            within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
+            target = (owner * width + filled[owner] + within).to(device)
+            flat_keys.index_copy_(0, target, _on(device, chunk.keys))
+            flat_values.index_copy_(0, target, _on(device, chunk.values))
+            filled += counts
+        filled = filled.view(layers, heads)
+        block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
+        for name, kv in self.kv_caches.items():
+            layer = self.layer_index[name]
+            self.layout.write(kv, block_ids, load.start, keys[layer], values[layer])
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # as in _write_chunks
+        # slots before load.start hold every head's full KV (vLLM's own hits)
+        self.perhead.add(load.req_id, load.block_ids[0], filled + load.start, load.start + width)
+
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
         keys = self.slice_keys(load.keys)
@@ -80,7 +120,9 @@ class ChunkLoading(WorkerState):
             problem = (
                 "missing"
                 if chunk is None
-                else chunk_problem(chunk, self.facts, self.config.store.chunk_size, self.kept)
+                else chunk_problem(
+                    chunk, self.facts, self.config.store.chunk_size, self.kept, self.cap
+                )
             )
             if problem is not None:
                 if chunk is not None:

@@ -160,6 +160,7 @@ class ChunkSaving(WorkerState):
                 self.config.store.chunk_size,
                 self.kept,
                 recent_layers=self.sliding_layers,
+                cap=self.cap,
             )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)

@@ -39,6 +39,7 @@ from lmcompact.store.transfer import CopierPool
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.kv_layout import PageLayout, make_layout
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention, make_perhead_attention
 from lmcompact.vllm.metadata import (
     ReconstructCapture,
     StepMetadata,
@@ -75,6 +76,9 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         rotates = self.policy.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
         self.rope = shim.rope_of(vllm_config) if rotates else None
         self.kept = config.kept_per_chunk(facts.block_size)
+        self.slots = config.slots_per_chunk(facts.block_size)
+        self.cap = self.slots if config.store.per_head is not None else None
+        self.perhead: PerHeadAttention | None = None  # made at register (store.per_head)
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layers: dict[str, Any] = {}
@@ -146,6 +150,8 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         self.windows = {name: shim.sliding_window(layer) for name, layer in self.layers.items()}
         self._log_sliding()
         self._choose_hole_cutting()
+        if self.cap is not None:
+            self._start_per_head_loads()
         logger.info(
             "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
             len(self.layers),
@@ -154,6 +160,25 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
             self.kept,
             self.config.store.chunk_size,
         )
+
+    def _start_per_head_loads(self) -> None:
+        """``store.per_head``: the recompute that masks each head's padding after a load;
+        refused where it cannot be exact (sliding windows, tensor parallel: unchecked)."""
+        if self.sliding_layers:
+            raise ValueError(
+                f"store.per_head cannot be exact on a model with sliding-window layers "
+                f"({len(self.sliding_layers)} of {len(self.layers)} here): vLLM masks their "
+                "window by key index, and per-head padding moves it. Store one count per "
+                "(layer, head) (drop store.per_head)"
+            )
+        if self.facts.tp_size > 1:
+            raise ValueError(
+                "store.per_head with tensor parallelism is not supported yet (tp_size "
+                f"{self.facts.tp_size}); drop store.per_head or run with tp_size 1"
+            )
+        self.perhead = make_perhead_attention(self)
+        # it reads this step's holes inside attention, on uncut metadata (as release does)
+        self.cut_at_build = False
 
     @property
     def sliding_layers(self) -> frozenset[int]:
@@ -217,6 +242,8 @@ class WorkerHalf(TableCutting, ChunkLoading, ChunkSaving):
         self._meta = meta
         self._prepared = False
         self._edited = {}
+        if self.perhead is not None:
+            self.perhead.begin_step(meta.holes, meta.finished | meta.taken_back)
 
     def prepare(self, forward_context: Any) -> None:
         """Loads, capture rows and hole edits of the bound step; runs once per step, from

@@ -16,6 +16,7 @@ from lmcompact.store import ChunkKey, TieredStore
 from lmcompact.vllm import vllm_shim as shim
 from lmcompact.vllm.config import ConnectorConfig
 from lmcompact.vllm.kv_layout import PageLayout
+from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 from lmcompact.vllm.metadata import WorkerReport
 
 
@@ -28,6 +29,9 @@ class WorkerState:
     store: TieredStore
     layout: PageLayout
     kept: int
+    cap: int | None  # store.per_head: most rows per (layer, head) of a stored chunk
+    slots: int  # slots one loaded chunk takes in a block row (kept, or the cap)
+    perhead: PerHeadAttention | None  # store.per_head: masks each head's padding
     kv_caches: dict[str, torch.Tensor]
     layers: dict[str, Any]
     layer_index: dict[str, int]

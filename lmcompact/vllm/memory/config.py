@@ -103,17 +103,7 @@ class ReleaseOptions:
 
     def per_head_slack(self) -> float | None:
         """The per-head slack, or None when every head keeps the same count."""
-        if self.per_head is None:
-            return None
-        if not isinstance(self.per_head, Mapping) or set(self.per_head) - {"slack"}:
-            raise ValueError(
-                f'{self.group}.per_head must be an object like {{"slack": 1.5}}, '
-                f"got {self.per_head!r}"
-            )
-        slack = self.per_head.get("slack", 1.5)
-        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
-            raise ValueError(f"{self.group}.per_head.slack must be a number >= 1, got {slack!r}")
-        return float(slack)
+        return per_head_slack(self.per_head, f"{self.group}.per_head")
 
     @property
     def needs_piecewise(self) -> bool:
@@ -182,3 +172,16 @@ class ReleaseOptions:
                 f"{self.sink_blocks} sink block(s)"
             )
         return recent
+
+
+def per_head_slack(per_head: Mapping[str, Any] | None, name: str) -> float | None:
+    """The ``slack`` of a ``per_head`` option (``{"slack": s}``, s >= 1, default 1.5), or
+    None when the option is off; ValueError names ``name`` for anything else."""
+    if per_head is None:
+        return None
+    if not isinstance(per_head, Mapping) or set(per_head) - {"slack"}:
+        raise ValueError(f'{name} must be an object like {{"slack": 1.5}}, got {per_head!r}')
+    slack = per_head.get("slack", 1.5)
+    if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
+        raise ValueError(f"{name}.slack must be a number >= 1, got {slack!r}")
+    return float(slack)

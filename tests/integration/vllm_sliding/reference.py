@@ -1,4 +1,4 @@
-"""Transformers reference for a compacted sliding-window model (Gemma-3).
+"""Transformers reference for a compacted model (Gemma-3 with sliding windows, or Llama).
 
 Runs the same model in float32 with eager attention, with one mask per
 (layer, kv head) built from *logical* positions::
@@ -83,14 +83,15 @@ def _attention(
     q_len, k_len = query.shape[2], key.shape[2]
     q_pos = torch.arange(k_len - q_len, k_len)  # queries are the last rows (see greedy)
     c = _State.compaction
+    window = getattr(module, "sliding_window", None)  # Llama-style models have none
     hq, hkv = query.shape[1], key.shape[1]
     masks = []
     for head in range(hkv):
         if c is None:
-            masks.append(visible(q_pos, k_len, module.sliding_window, None, None))
+            masks.append(visible(q_pos, k_len, window, None, None))
         else:
             kept = torch.as_tensor(c.kept[module.layer_idx][head])
-            masks.append(visible(q_pos, k_len, module.sliding_window, kept, c))
+            masks.append(visible(q_pos, k_len, window, kept, c))
     allowed = torch.stack(masks).repeat_interleave(hq // hkv, dim=0)[None]  # (1, Hq, Lq, Lk)
     additive = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill(~allowed, float("-inf"))
     return eager_attention_forward(

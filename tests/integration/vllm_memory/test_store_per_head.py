@@ -1,0 +1,128 @@
+"""Per-head stored counts (``store.per_head``) through the real vLLM CPU engine.
+
+One float32 engine with the store connector (kvzip, ``allocation: "ragged"``, budget 0.25,
+chunks of 256, blocks of 32, per-head cap ``R = 2 x 64 = 128`` slots per chunk) serves one
+prompt twice: the first request computes it and saves 4 compacted chunks whose (layer,
+head) counts differ; the second loads them (each head's rows first, zeros up to 4 x 128
+slots, a hole for the rest) and computes the tail.
+
+The loaded request's greedy tokens and log-probabilities must equal those of transformers
+running the same weights with a mask that keeps exactly each head's stored tokens
+(:mod:`tests.integration.vllm_sliding.reference`). vLLM's own attention also attends to
+the zero padding (a zero key still takes softmax weight), so without the connector's
+per-head recompute the comparison fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
+from tests.integration.vllm_memory.harness import memory_engine
+from tests.integration.vllm_sliding import reference
+
+pytestmark = pytest.mark.integration
+
+CHUNK = 256
+KEPT = 64  # budget 0.25 of a chunk
+SLOTS = 128  # slack 2
+NEW_TOKENS = 8
+PROMPT = tiny_prompt_ids(1100, seed=31)  # 4 chunks stored, 76 tokens computed after a load
+EXTRA = {
+    "policy": "kvzip",
+    "policy_params": {"allocation": "ragged", "share": False},
+    "budget": 0.25,
+    "window": 16,
+    "store": {"chunk_size": CHUNK, "async_save": False, "per_head": {"slack": 2}},
+}
+LOGPROB_ATOL = 1e-3
+CONNECTOR = ("LMCompactConnector", "lmcompact.vllm.connector")  # the store path alone
+
+
+def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path) -> Iterator[dict[str, Any]]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from lmcompact.vllm.worker_side import WorkerHalf
+
+    loads: list[tuple[Any, list[Any]]] = []
+    fetch = WorkerHalf._fetch
+
+    def recording_fetch(self: WorkerHalf, spec: Any) -> Any:
+        chunks = fetch(self, spec)
+        if chunks is not None:
+            loads.append((spec, [chunk.clone() for chunk in chunks]))
+        return chunks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WorkerHalf, "_fetch", recording_fetch)
+        with memory_engine(str(tiny_model), EXTRA, max_model_len=2048, connector=CONNECTOR) as llm:
+            first = _generate(llm, PROMPT)  # computed, 4 chunks saved
+            second = _generate(llm, PROMPT)  # loaded from the store
+            connector = get_kv_transfer_group()
+            stats = dict(connector.perhead.stats)
+            worker = dict(connector.worker_half.stats)
+    yield {"first": first, "second": second, "loads": loads, "stats": stats, "worker": worker}
+
+
+def test_stored_counts_are_ragged_and_capped(served: dict[str, Any]) -> None:
+    assert len(served["loads"]) == 1, "the second request must load the stored chunks"
+    spec, chunks = served["loads"][0]
+    assert spec.start == 0 and len(chunks) == len(PROMPT) // CHUNK
+    for chunk in chunks:
+        counts = chunk.kept_counts
+        assert counts.unique().numel() > 1  # kvzip's ragged allocation, kept as chosen
+        assert int(counts.max()) <= SLOTS
+        # the chunk holds the budget on average (bytes at the budget)
+        assert int(counts.sum()) == counts.numel() * KEPT
+    assert served["worker"]["loaded_chunks"] == len(chunks)
+    # the recompute ran for the loaded request (prefill tail and every decode step)
+    assert served["stats"]["requests"] == 1 and served["stats"]["calls"] >= NEW_TOKENS
+
+
+def test_store_load_equals_masked_reference(tiny_model: Path, served: dict[str, Any]) -> None:
+    spec, chunks = served["loads"][0]
+    n = len(chunks)
+    model = reference.load(str(tiny_model))
+    layers, heads = chunks[0].kept_counts.shape
+    kept: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    for layer in range(layers):
+        for head in range(heads):
+            rows = []
+            for i, chunk in enumerate(chunks):
+                counts = chunk.kept_counts.flatten().long()
+                at = int(counts[: layer * heads + head].sum())
+                count = int(counts[layer * heads + head])
+                rows.append(chunk.positions[at : at + count].long() + i * CHUNK)
+            kept[layer].append(torch.cat(rows))
+    compaction = reference.Compaction(span=n * CHUNK, from_query=n * CHUNK, kept=kept)
+    tokens, logprobs = served["second"]
+    ref_tokens, ref_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, compaction)
+    gap = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+    print(f"engine {tokens}\nreference {ref_tokens}\nmax log-probability gap {gap:.2e}")
+    assert tokens == ref_tokens
+    assert gap < LOGPROB_ATOL, f"log-probabilities differ by up to {gap:.2e}"
+    # the full cache's answer differs: the comparison can tell kept sets apart
+    full_tokens, full_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, None)
+    assert full_tokens != tokens or max(
+        abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)
+    ) > 10 * LOGPROB_ATOL
