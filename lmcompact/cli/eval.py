@@ -66,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "context needs at least two chunks)",
     )
     parser.add_argument(
+        "--per-head-slack",
+        type=float,
+        default=None,
+        help="--engine vllm, save mode: the connector's store.per_head slack S (stored "
+        "chunks keep per-(layer, head) counts, each at most S x the budget's; a loaded "
+        "prefix holds S x the budget's blocks); with kvzip use allocation 'ragged'",
+    )
+    parser.add_argument(
         "--policy-params",
         type=json.loads,
         default={},
@@ -182,6 +190,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             reconstruct=args.reconstruct,
             policy_params=args.policy_params,
             chunk_size=args.chunk_size,
+            per_head_slack=args.per_head_slack,
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)

@@ -42,6 +42,9 @@ class VllmEvalConfig:
             scores (``kvzip``) with KVzip's reconstruction request.
         policy_params: per policy name, ``policy_params`` of the connector (e.g.
             ``{"kvzip": {"share": True, "kernel_size": 15}}``).
+        per_head_slack: in ``save`` mode, the connector's ``store.per_head`` slack (stored
+            chunks keep per-(layer, head) counts, each at most ``slack`` x the budget's);
+            None: one count per (layer, head).
     """
 
     models: list[str] = field(default_factory=lambda: ["smollm2"])
@@ -58,8 +61,11 @@ class VllmEvalConfig:
     seed: int = 0
     reconstruct: bool = True
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_head_slack: float | None = None
 
     def __post_init__(self) -> None:
+        if self.per_head_slack is not None and not self.per_head_slack >= 1.0:
+            raise ValueError(f"per_head_slack must be >= 1, got {self.per_head_slack}")
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ValueError(f"unknown tasks {bad or self.tasks}; allowed: {', '.join(TASKS)}")
@@ -133,6 +139,8 @@ def connector_extra(
         extra["policy_params"] = dict(config.policy_params[policy])
     if mode == "save":
         extra.update(compact_on="save", memory={"prefill": "off"})
+        if config.per_head_slack is not None:
+            extra["per_head"] = {"slack": config.per_head_slack}
     elif mode == "load":
         extra.update(compact_on="load", memory={"prefill": "pack"})
     elif mode == "inplace":
@@ -164,17 +172,20 @@ def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
     return made.scores_given
 
 
-def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool) -> str:
+def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: str = "save") -> str:
     """The ``policy`` of a row: the name, ``+reconstruct`` when the store request was
     KVzip's reconstruction pass, any ``policy_params`` (``kvzip+reconstruct(share=True)``),
-    and ``@chunk N`` when the store chunk is not the default 256 tokens (rows of different
-    chunk sizes must not merge as one cell)."""
+    ``@chunk N`` when the store chunk is not the default 256 tokens (rows of different
+    chunk sizes must not merge as one cell), and ``/per_head S`` for save rows with
+    ``store.per_head``."""
     label = policy + ("+reconstruct" if reconstruct else "")
     params = config.policy_params.get(policy)
     if params:
         label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
     if config.chunk_size != VllmEvalConfig.chunk_size:
         label += f"@chunk{config.chunk_size}"
+    if config.per_head_slack is not None and mode == "save":
+        label += f"/per_head{config.per_head_slack:g}"
     return label
 
 

@@ -227,7 +227,9 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     "engine": "vllm",
                     "impl": "lmcompact",
                     "model": model,
-                    "policy": policy if mode == BASELINE else policy_label(policy, config, recon),
+                    "policy": (
+                        policy if mode == BASELINE else policy_label(policy, config, recon, mode)
+                    ),
                     "budget": budget,
                     "compact_on": mode,
                 }

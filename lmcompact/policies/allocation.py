@@ -27,7 +27,7 @@ import torch
 from lmcompact.plan import KeepPlan
 from lmcompact.policies._select import descending_order, topk_mask
 
-__all__ = ["global_keep_mask", "global_keep_plan", "rank_fraction", "ragged_keep_mask"]
+__all__ = ["global_keep_mask", "global_keep_plan", "ragged_keep_mask", "rank_fraction"]
 
 _TIE = 1e-4
 """Weight of a head's own rank in the vote ranking (votes differ by >= 1 / (L x H))."""

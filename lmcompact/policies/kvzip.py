@@ -146,8 +146,10 @@ class KVzip(ScorePolicy):
                 f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}"
             )
         if self.share and self.allocation == "ragged":
-            raise ValueError("share keeps one token set for every head; allocation 'ragged' "
-                             "gives each head its own count: choose one")
+            raise ValueError(
+                "share keeps one token set for every head; allocation 'ragged' "
+                "gives each head its own count: choose one"
+            )
 
     def context_queries(self, length: int) -> torch.Tensor:
         return sample_query_positions(length, self.max_queries, self.window)

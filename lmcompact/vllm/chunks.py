@@ -120,9 +120,7 @@ def _ragged_chunk(
         # one index_select per layer over its (H * C, D) rows, head-major like the plan
         rows = flat.to(k.device)
         keys_out.append(k[:, lo : lo + chunk_size].reshape(-1, dim).index_select(0, rows))
-        values_out.append(
-            v[:, lo : lo + chunk_size].reshape(-1, v.shape[-1]).index_select(0, rows)
-        )
+        values_out.append(v[:, lo : lo + chunk_size].reshape(-1, v.shape[-1]).index_select(0, rows))
         positions_out.append(torch.cat(picked).to(torch.int32))
     keys, values = torch.cat(keys_out), torch.cat(values_out)
     if store_dtype is not None:
@@ -156,7 +154,8 @@ def chunk_problem(
     if cap is not None:
         counts = chunk.kept_counts
         if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > cap):
-            return f"holding per-head counts in [{int(counts.min())}, {int(counts.max())}], not <= {cap}"
+            low, high = int(counts.min()), int(counts.max())
+            return f"holding per-head counts in [{low}, {high}], not <= {cap}"
         kept = -1  # compared below as the uniform count: a ragged chunk has none
     expected = (
         facts.num_layers,

@@ -366,5 +366,7 @@ def compact_job(
             plan = policy.plan(inputs)
         if plan is not None:
             plan = plan.with_recent(recent_layers, kept_per_chunk)
-        out.append((key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype, cap)))
+        out.append(
+            (key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype, cap))
+        )
     return out

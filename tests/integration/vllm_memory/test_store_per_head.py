@@ -100,7 +100,7 @@ def test_stored_counts_are_ragged_and_capped(served: dict[str, Any]) -> None:
 
 
 def test_store_load_equals_masked_reference(tiny_model: Path, served: dict[str, Any]) -> None:
-    spec, chunks = served["loads"][0]
+    _, chunks = served["loads"][0]
     n = len(chunks)
     model = reference.load(str(tiny_model))
     layers, heads = chunks[0].kept_counts.shape
@@ -123,6 +123,7 @@ def test_store_load_equals_masked_reference(tiny_model: Path, served: dict[str, 
     assert gap < LOGPROB_ATOL, f"log-probabilities differ by up to {gap:.2e}"
     # the full cache's answer differs: the comparison can tell kept sets apart
     full_tokens, full_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, None)
-    assert full_tokens != tokens or max(
-        abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)
-    ) > 10 * LOGPROB_ATOL
+    assert (
+        full_tokens != tokens
+        or max(abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)) > 10 * LOGPROB_ATOL
+    )

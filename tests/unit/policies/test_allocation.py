@@ -99,7 +99,7 @@ def test_kvzip_global_allocation_plans_through_the_mask() -> None:
     assert per_head.kept[0][2].tolist() == [9, 10]
     shared = make_policy("kvzip", allocation="global", share=True, **params).plan(inputs)
     assert [p.tolist() for p in shared.kept[0]] == [[4, 5]] * 3
-    with pytest.raises(ValueError, match=r"allocation must be one of head, global, got 'x'"):
+    with pytest.raises(ValueError, match=r"one of head, global, ragged, got 'x'"):
         make_policy("kvzip", allocation="x")
 
 
@@ -129,3 +129,37 @@ def test_expected_attention_share_keeps_one_token_set() -> None:
     assert bool((scores[:, 1:] >= before[:, 1:]).all())  # a max-pool never lowers a score
     with pytest.raises(ValueError, match=r"kernel_size must be an odd integer >= 1, got 4"):
         make_policy("expected_attention", kernel_size=4)
+
+
+def test_ragged_mask_is_the_global_top_k_with_a_cap_per_row() -> None:
+    from lmcompact.policies.allocation import ragged_keep_mask
+
+    scores = _two_busy_heads_and_an_idle_one()
+    free = ragged_keep_mask(scores, 2, 12)  # kvpress's KVzipPress: no cap
+    assert free.sum(dim=-1).tolist() == [[3, 3, 0]]  # the 6 best entries, wherever they are
+    capped = ragged_keep_mask(scores, 2, 2)  # cap = keep: every head its own top-2
+    assert capped.sum(dim=-1).tolist() == [[2, 2, 2]] and _kept(capped, 0, 2) == [9, 10]
+    middle = ragged_keep_mask(scores, 2, 3)
+    assert middle.sum() == 6 and int(middle.sum(dim=-1).max()) <= 3
+    forced = scores.clone()
+    forced[0, 2, 0] = float("inf")
+    assert _kept(ragged_keep_mask(forced, 2, 12), 0, 2) == [0]
+    valid = torch.ones(3, 12, dtype=torch.bool)
+    valid[0, 4] = False
+    assert 4 not in _kept(ragged_keep_mask(scores, 2, 12, valid), 0, 0)
+    with pytest.raises(ValueError, match="keep <= cap"):
+        ragged_keep_mask(scores, 3, 2)
+
+
+def test_kvzip_ragged_plan_reads_the_cap_from_the_inputs() -> None:
+    scores = _two_busy_heads_and_an_idle_one()[0]
+    policy = make_policy("kvzip", budget=2 / 12, n_sink=0, kernel_size=1, allocation="ragged")
+
+    def inputs(cap: int | None) -> CompactionInputs:
+        layer = LayerObservation(keys=torch.zeros(3, 12, 4), context_scores=scores)
+        return CompactionInputs(12, 3, [layer], budget_tokens=2, max_tokens=cap)
+
+    assert policy.plan(inputs(None)).kept_counts().tolist() == [[2, 2, 2]]
+    assert policy.plan(inputs(3)).kept_counts().tolist() == [[3, 3, 0]]
+    with pytest.raises(ValueError, match="choose one"):
+        make_policy("kvzip", budget=0.5, share=True, allocation="ragged")
