@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import logging
 import platform
 import pstats
@@ -49,6 +50,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="dummy-weight shape")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument(
+        "--policy-params",
+        type=json.loads,
+        default={},
+        help="JSON object, policy name -> its policy_params (e.g. "
+        '\'{"kvzip": {"allocation": "ragged", "share": false}}\')',
+    )
+    parser.add_argument(
+        "--per-head-slack",
+        type=float,
+        default=None,
+        help="the connector's store.per_head slack for compacting policies (per-head "
+        "stored counts; loads mask each head's padding)",
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=0,
+        help="also time N decode tokens after a hit and after a recompute (ms per token)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="cProfile one more hit; top functions in the JSON"
     )
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
@@ -75,6 +96,9 @@ def measure(
     shape: str | None = None,
     block_size: int = 32,
     profile: bool = False,
+    policy_params: dict[str, Any] | None = None,
+    per_head_slack: float | None = None,
+    decode_tokens: int = 0,
 ) -> dict[str, Any]:
     from lmcompact.vllm import offline
 
@@ -84,6 +108,10 @@ def measure(
         "chunk_size": chunk_size,
         "window": 64,
     }
+    if policy_params:
+        extra["policy_params"] = policy_params
+    if per_head_slack is not None and policy != "none":
+        extra["per_head"] = {"slack": per_head_slack}
     dtype, engine = engine_options(shape)
     if shape is not None:
         extra["cpu_capacity_mb"] = 16384  # a 16k prompt of the 8B shape is 2 GiB uncompacted
@@ -103,6 +131,17 @@ def measure(
         hits = [offline.generate(llm, prompt, max_tokens=1) for _ in range(2)]
         stats = offline.connector_stats()
         hot_spots = _profiled_hit(llm, prompt) if profile else None
+        decode: dict[str, float] = {}
+        if decode_tokens:
+            # a hit, then a prompt never seen (computed), each decoding N more tokens
+            long_hit = offline.generate(llm, prompt, max_tokens=1 + decode_tokens)
+            fresh = _other_prompt(_other_prompt(prompt))
+            long_miss = offline.generate(llm, fresh, max_tokens=1 + decode_tokens)
+            hit_first = min(h.seconds for h in hits)
+            decode = {
+                "decode_ms_hit": 1000 * (long_hit.seconds - hit_first) / decode_tokens,
+                "decode_ms_recompute": 1000 * (long_miss.seconds - miss.seconds) / decode_tokens,
+            }
     finally:
         offline.shutdown(llm)
     if stats.get("loaded_chunks", 0) <= before.get("loaded_chunks", 0) and policy != "none":
@@ -128,6 +167,13 @@ def measure(
             else None
         ),
     }
+    row.update(decode)
+    if decode:
+        row["decode_ratio"] = decode["decode_ms_hit"] / decode["decode_ms_recompute"]
+    if per_head_slack is not None and policy != "none":
+        row["per_head_slack"] = per_head_slack
+    if policy_params:
+        row["policy_params"] = policy_params
     if hot_spots is not None:
         row["profile_hit"] = hot_spots
     return row
@@ -193,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
                 args.shape,
                 args.block_size,
                 args.profile,
+                args.policy_params.get(policy),
+                args.per_head_slack,
+                args.decode_tokens,
             )
             for policy in tqdm(policies, desc="policies")
         ]
@@ -209,10 +258,23 @@ def run(args: argparse.Namespace) -> int:
                 "speedup",
                 "stored_fraction",
                 "compaction_s_per_1k_tokens",
+                *(
+                    ["decode_ms_recompute", "decode_ms_hit", "decode_ratio"]
+                    if args.decode_tokens
+                    else []
+                ),
             ],
         )
     )
-    settings = {k: getattr(args, k) for k in ("shape", "prompt_tokens", "chunk_size", "block_size")}
+    names = (
+        "shape",
+        "prompt_tokens",
+        "chunk_size",
+        "block_size",
+        "per_head_slack",
+        "decode_tokens",
+    )
+    settings = {k: getattr(args, k) for k in names}
     write_json(
         args.json,
         {

@@ -293,3 +293,69 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
         assert (stats["rows_cut_in_buffers"] >= 4 * 10) == (name == "full")
     for full, eager in zip(runs["full"], runs["eager"], strict=True):
         assert_same_decode_up_to_ties(full, eager)
+
+
+STORE_PER_HEAD: dict[str, Any] = {
+    "policy": "kvzip",
+    "policy_params": {"allocation": "ragged", "share": False, "kernel_size": 1},
+    "budget": 0.25,
+    "window": 32,
+    "memory": {"prefill": "off"},
+    "store": {"chunk_size": 256, "async_save": False, "per_head": {"slack": 2}},
+}
+"""kvzip's ragged counts stored per (layer, head), each at most 2 x 64 of a 256-token chunk."""
+
+
+def test_store_per_head_load_matches_dense_reference_with_graphs(model_dir: Path) -> None:
+    """A prompt saved with per-head counts and loaded by its repeat (CUDA graphs on, the
+    per-head recompute on the Triton kernel): the next token's log-probabilities match
+    the dense reference over each head's stored tokens plus the computed tail."""
+    from transformers import LlamaForCausalLM
+
+    from lmcompact.vllm.worker_side import WorkerHalf
+
+    loads: list[list[Any]] = []
+    fetch = WorkerHalf._fetch
+
+    def recording_fetch(self: WorkerHalf, spec: Any) -> Any:
+        chunks = fetch(self, spec)
+        if chunks is not None:
+            loads.append([chunk.clone(device="cpu") for chunk in chunks])
+        return chunks
+
+    ids = prompt(5)
+    WorkerHalf._fetch = recording_fetch  # type: ignore[method-assign]
+    try:
+        with engine(model_dir, STORE_PER_HEAD) as llm:
+            generate(llm, ids, 2)  # computes the prompt, stores 3 chunks
+            out = generate(llm, ids, 3, logprobs=20)  # loads them
+            perhead = dict(_worker_half().perhead.stats)
+    finally:
+        WorkerHalf._fetch = fetch  # type: ignore[method-assign]
+    assert len(loads) == 1 and len(loads[0]) == 3
+    assert perhead["requests"] == 1 and perhead["calls"] >= 2
+    kept: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
+    for layer in range(LAYERS):
+        for head in range(KV_HEADS):
+            rows = []
+            for c, chunk in enumerate(loads[0]):
+                counts = chunk.kept_counts.flatten().long()
+                at = int(counts[: layer * KV_HEADS + head].sum())
+                n = int(counts[layer * KV_HEADS + head])
+                rows.append(chunk.positions[at : at + n].long() + c * 256)
+            kept[layer].append(torch.cat([*rows, torch.arange(768, PROMPT)]).cuda())
+    counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
+    assert counts.unique().numel() > 1 and int(counts.max()) <= 128
+    loaded: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = loaded.cuda().eval()
+    first = int(out.token_ids[0])
+    ref_kept = dense_next_logprobs(model, ids, first, kept)
+    ref_full = dense_next_logprobs(model, ids, first, None)
+    entry = out.logprobs[1]
+    tokens = torch.tensor(list(entry.keys()), device="cuda")
+    got = torch.tensor([lp.logprob for lp in entry.values()], device="cuda")
+    err_kept = float((got - ref_kept[tokens]).abs().max())
+    err_full = float((got - ref_full[tokens]).abs().max())
+    print(f"store per_head: max |logprob - ref|: kept {err_kept:.4f}, full {err_full:.4f}")
+    assert err_kept < 0.1
+    assert err_kept < err_full
