@@ -70,7 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time N decode tokens after a hit and after a recompute (ms per token)",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="cProfile one more hit; top functions in the JSON"
+        "--profile",
+        action="store_true",
+        help="cProfile one more hit (with --decode-tokens: and its decode); top functions "
+        "in the JSON",
     )
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
 
@@ -130,11 +133,13 @@ def measure(
         before = offline.connector_stats()
         hits = [offline.generate(llm, prompt, max_tokens=1) for _ in range(2)]
         stats = offline.connector_stats()
-        hot_spots = _profiled_hit(llm, prompt) if profile else None
+        hot_spots = _profiled_hit(llm, prompt) if profile and not decode_tokens else None
         decode: dict[str, float] = {}
         if decode_tokens:
             # a hit, then a prompt never seen (computed), each decoding N more tokens
             long_hit = offline.generate(llm, prompt, max_tokens=1 + decode_tokens)
+            if profile:  # with --decode-tokens, --profile covers a hit and its decode
+                hot_spots = _profiled_hit(llm, prompt, max_tokens=1 + decode_tokens)
             fresh = _other_prompt(_other_prompt(prompt))
             long_miss = offline.generate(llm, fresh, max_tokens=1 + decode_tokens)
             hit_first = min(h.seconds for h in hits)
@@ -185,13 +190,16 @@ def _other_prompt(prompt: list[int]) -> list[int]:
     return [prompt[-1], *prompt[:-1]] if prompt[0] != prompt[-1] else [prompt[0] + 1, *prompt[1:]]
 
 
-def _profiled_hit(llm: Any, prompt: list[int], top: int = 30) -> list[dict[str, Any]]:
-    """cProfile of one more hit: the ``top`` functions by cumulative time (seconds)."""
+def _profiled_hit(
+    llm: Any, prompt: list[int], top: int = 30, max_tokens: int = 1
+) -> list[dict[str, Any]]:
+    """cProfile of one more hit (generating ``max_tokens``): the ``top`` functions by
+    cumulative time (seconds)."""
     from lmcompact.vllm import offline
 
     profiler = cProfile.Profile()
     profiler.enable()
-    offline.generate(llm, prompt, max_tokens=1)
+    offline.generate(llm, prompt, max_tokens=max_tokens)
     profiler.disable()
     stats = pstats.Stats(profiler)
     rows = []

@@ -306,13 +306,25 @@ STORE_PER_HEAD: dict[str, Any] = {
 """kvzip's ragged counts stored per (layer, head), each at most 2 x 64 of a 256-token chunk."""
 
 
-def test_store_per_head_load_matches_dense_reference_with_graphs(model_dir: Path) -> None:
-    """A prompt saved with per-head counts and loaded by its repeat (CUDA graphs on, the
-    per-head recompute on the Triton kernel): the next token's log-probabilities match
-    the dense reference over each head's stored tokens plus the computed tail."""
-    from transformers import LlamaForCausalLM
+def masked_logprobs(model: Any, ids: list[int], compaction: Any) -> torch.Tensor:
+    """``(V,)`` float32 log-probabilities after ``ids`` from the float32 reference that
+    masks each (layer, kv head) to its kept tokens (:mod:`tests.integration.vllm_sliding.
+    reference`; ``compaction`` None: the whole prompt), on the CPU."""
+    from tests.integration.vllm_sliding import reference
 
+    with torch.no_grad(), reference.compacted(compaction):
+        logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_store_per_head_load_matches_masked_reference_with_graphs(model_dir: Path) -> None:
+    """A prompt saved with per-head counts and loaded by its repeat (CUDA graphs on, the
+    per-head recompute on the Triton kernel): the first two tokens' log-probabilities
+    match the float32 reference that computes the tail and the decode step over each
+    head's stored tokens (the tail's own keys were computed over the compacted prefix, so
+    a reference over the whole prompt is the wrong one, and is farther away)."""
     from lmcompact.vllm.worker_side import WorkerHalf
+    from tests.integration.vllm_sliding import reference
 
     loads: list[list[Any]] = []
     fetch = WorkerHalf._fetch
@@ -328,34 +340,39 @@ def test_store_per_head_load_matches_dense_reference_with_graphs(model_dir: Path
     try:
         with engine(model_dir, STORE_PER_HEAD) as llm:
             generate(llm, ids, 2)  # computes the prompt, stores 3 chunks
-            out = generate(llm, ids, 3, logprobs=20)  # loads them
+            out = generate(llm, ids, 2, logprobs=20)  # loads them
             perhead = dict(_worker_half().perhead.stats)
     finally:
         WorkerHalf._fetch = fetch  # type: ignore[method-assign]
     assert len(loads) == 1 and len(loads[0]) == 3
     assert perhead["requests"] == 1 and perhead["calls"] >= 2
+    counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
+    assert counts.unique().numel() > 1 and int(counts.max()) <= 128
     kept: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
     for layer in range(LAYERS):
         for head in range(KV_HEADS):
             rows = []
             for c, chunk in enumerate(loads[0]):
-                counts = chunk.kept_counts.flatten().long()
-                at = int(counts[: layer * KV_HEADS + head].sum())
-                n = int(counts[layer * KV_HEADS + head])
+                flat = chunk.kept_counts.flatten().long()
+                at = int(flat[: layer * KV_HEADS + head].sum())
+                n = int(flat[layer * KV_HEADS + head])
                 rows.append(chunk.positions[at : at + n].long() + c * 256)
-            kept[layer].append(torch.cat([*rows, torch.arange(768, PROMPT)]).cuda())
-    counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
-    assert counts.unique().numel() > 1 and int(counts.max()) <= 128
-    loaded: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = loaded.cuda().eval()
+            kept[layer].append(torch.cat(rows))
+    compaction = reference.Compaction(span=768, from_query=768, kept=kept)
+    model = reference.load(str(model_dir))
     first = int(out.token_ids[0])
-    ref_kept = dense_next_logprobs(model, ids, first, kept)
-    ref_full = dense_next_logprobs(model, ids, first, None)
-    entry = out.logprobs[1]
-    tokens = torch.tensor(list(entry.keys()), device="cuda")
-    got = torch.tensor([lp.logprob for lp in entry.values()], device="cuda")
-    err_kept = float((got - ref_kept[tokens]).abs().max())
-    err_full = float((got - ref_full[tokens]).abs().max())
-    print(f"store per_head: max |logprob - ref|: kept {err_kept:.4f}, full {err_full:.4f}")
-    assert err_kept < 0.1
-    assert err_kept < err_full
+    for step, context in enumerate([ids, [*ids, first]]):
+        ref_kept = masked_logprobs(model, context, compaction)
+        ref_full = masked_logprobs(model, context, None)
+        entry = out.logprobs[step]
+        tokens = torch.tensor(list(entry.keys()))
+        got = torch.tensor([lp.logprob for lp in entry.values()])
+        err_kept = float((got - ref_kept[tokens]).abs().max())
+        err_full = float((got - ref_full[tokens]).abs().max())
+        print(
+            f"store per_head step {step}: max |logprob - ref|: kept {err_kept:.4f}, "
+            f"full {err_full:.4f}"
+        )
+        assert err_kept < 0.1
+        assert err_kept < err_full
+        assert int(out.token_ids[step]) == int(ref_kept.argmax())
