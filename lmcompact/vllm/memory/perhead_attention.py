@@ -81,6 +81,8 @@ class _Rows:
     seq_len: torch.Tensor
     counts: torch.Tensor  # (L, B, Hkv) on the device
     max_blocks: list[int]
+    max_q_len: int  # host ints the kernel would otherwise read back (a sync per layer)
+    max_visible: int
     validated: bool = False
 
 
@@ -161,6 +163,8 @@ class PerHeadAttention(PageObserver[_Rows]):
             lengths,
             scale=self.scales[name],
             validate=not rows.validated,  # once per step: add() bounds every layer's counts
+            max_q_len=rows.max_q_len,
+            max_visible=rows.max_visible,
         )
         rows.validated = True
         output.view(output.shape[0], -1, d)[rows.query_index] = out.to(output.dtype)
@@ -214,6 +218,8 @@ class PerHeadAttention(PageObserver[_Rows]):
             seq_len=torch.tensor(lens, device=device),
             counts=counts.to(device),
             max_blocks=blocks,
+            max_q_len=max(cu[i + 1] - cu[i] for i in range(len(rows))),
+            max_visible=max(lens),  # an upper bound: no head sees more than its row's keys
         )
 
 
