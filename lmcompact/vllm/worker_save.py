@@ -176,12 +176,13 @@ class ChunkSaving(WorkerState):
                         self.stats["bytes_stored"] += chunk.payload_nbytes
                         self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
             logger.info(
-                "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head) (%s), %.3f s",
+                "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head)%s (%s), %.3f s",
                 job.req_id,
                 sum(stored),
                 len(items),
                 len(items) * self.kept,
                 len(items) * self.config.store.chunk_size,
+                "" if self.cap is None else " on average",
                 self.config.policy,
                 elapsed,
             )
