@@ -127,3 +127,19 @@ def test_store_load_equals_masked_reference(tiny_model: Path, served: dict[str, 
         full_tokens != tokens
         or max(abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)) > 10 * LOGPROB_ATOL
     )
+
+
+def test_vllm_prefix_cache_hits_are_served_by_vllm_not_the_store(tiny_model: Path) -> None:
+    """With vLLM's prefix caching on, a repeat finds the full KV in vLLM's own cache first;
+    a per-head load could not pack behind it, so the connector loads nothing and the repeat
+    gives the first request's tokens (the full prompt's answer)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    with memory_engine(
+        str(tiny_model), EXTRA, max_model_len=2048, connector=CONNECTOR, prefix_caching=True
+    ) as llm:
+        first = _generate(llm, PROMPT)
+        second = _generate(llm, PROMPT)
+        stats = dict(get_kv_transfer_group().worker_half.stats)
+    assert stats["saved_chunks"] == len(PROMPT) // CHUNK and stats["loads"] == 0
+    assert second[0] == first[0]

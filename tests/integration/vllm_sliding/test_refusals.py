@@ -11,6 +11,8 @@ from tests.integration.vllm_memory.harness import memory_engine
 
 pytestmark = pytest.mark.integration
 
+STORE = ("LMCompactConnector", "lmcompact.vllm.connector")
+
 
 def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
     extra = {
@@ -30,6 +32,25 @@ def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> Non
             pass
     finally:
         ensure_kv_transfer_shutdown()  # the refused engine's worker connector stays registered
+
+
+def test_store_per_head_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
+    extra = {
+        "policy": "kvzip",
+        "budget": 0.5,
+        "policy_params": {"allocation": "ragged", "share": False},
+        "store": {"per_head": {"slack": 2}},
+    }
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    try:
+        with (
+            pytest.raises(ValueError, match=r"store\.per_head cannot be exact .*sliding"),
+            memory_engine(str(gemma3_path), extra, max_model_len=1024, connector=STORE),
+        ):
+            pass
+    finally:
+        ensure_kv_transfer_shutdown()
 
 
 def test_budget_the_default_geometry_cannot_honour_is_refused(smollm2_path: Path) -> None:

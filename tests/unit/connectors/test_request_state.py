@@ -114,8 +114,9 @@ def test_one_forget_path() -> None:
     _loaded(half, prompt)
     state = half.states["a"]
     state.released_to, state.freed, state.packed = 4, 2, True
-    # preempted: the blocks went back, the request stays (it resumes)
-    half.build_metadata(_output(preempted={"a"}))
+    # preempted: the blocks went back, the request stays (it resumes); the worker hears it
+    meta = half.build_metadata(_output(preempted={"a"}))
+    assert meta.taken_back == {"a"} and not meta.is_idle()
     assert state.hole is None and state.load_start is None and state.released_to is None
     assert state.freed == 0 and state.packed and state.prompt == prompt
     assert "a" in half.states
