@@ -143,3 +143,16 @@ def greedy(
             tokens.append(token)
             step = torch.tensor([[token]])
     return tokens, logprobs
+
+
+def engine_greedy(
+    llm: Any, prompt: Sequence[int], new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """The engine's greedy tokens for ``prompt`` and their log-probabilities (what
+    :func:`greedy` returns for the reference)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]

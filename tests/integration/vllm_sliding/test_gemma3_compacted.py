@@ -63,12 +63,7 @@ def _prompt(model_dir: Path) -> list[int]:
 
 
 def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    tokens = list(out.token_ids)
-    return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]
+    return reference.engine_greedy(llm, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
