@@ -340,6 +340,9 @@ class ConnectorConfig:
             return {"budget": 1.0}
         params = self.effective_params
         params["budget"] = float(self.budget)
+        slack = self.store.per_head_slack()
+        if slack is not None:  # ragged chunks, capped by the slack: their own namespace
+            params["per_head_slack"] = slack
         return params
 
     def kept_per_chunk(self, block_size: int) -> int:

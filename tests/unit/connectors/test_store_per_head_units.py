@@ -30,6 +30,9 @@ def test_slots_per_chunk_is_the_cap_in_whole_blocks_below_the_chunk() -> None:
     # a cap of the whole chunk would leave no hole (nothing masks the padding): C - 1 block
     assert _config(chunk_size=256, per_head={"slack": 8}).slots_per_chunk(32) == 224
     assert _config(chunk_size=256, per_head={"slack": 2}).per_head_counts
+    # ragged chunks never share a namespace with uniform ones or another cap's
+    spaces = [_config(**s).namespace_params() for s in ({}, {"per_head": {"slack": 2}})]
+    assert "per_head_slack" not in spaces[0] and spaces[1]["per_head_slack"] == 2.0
 
 
 @pytest.mark.parametrize(
