@@ -25,9 +25,12 @@ a hole of ``n * (C - K)`` tokens computed from ``n`` alone (``SchedulerHalf._sta
 stretch of a stored context is emptied, which matters when the questions that will
 reuse it are unknown. Inside a chunk a policy may still rank across layers and heads
 (kvzip's ``allocation="global"``: a global top-k projected onto the one count,
-:mod:`lmcompact.policies.allocation`). Keys loaded from the store before the span are
-not scored (not in the copied pages): their share of each query's softmax is missing, a constant
-factor per query that changes the max aggregation little. Candidates carry absolute
+:mod:`lmcompact.policies.allocation`). With ``store.per_head`` (``cap``) the count may differ
+per (layer, head) within a chunk, up to the cap, the chunk's total staying ``L x H x K`` for
+kvzip's ``allocation="ragged"``; a load then reserves ``n * cap`` slots per head. Keys
+loaded from the store before the span are not scored (not in the copied pages): their
+share of each query's softmax is missing, a constant factor per query that changes the
+max aggregation little. Candidates carry absolute
 positions (``start + i``), so sinks are the prompt's first tokens, not each chunk's. A
 policy whose scores depend on every key scored together (``ScorePolicy.span_scores``:
 Expected Attention's softmax) is scored once over the whole span and each chunk planned

@@ -32,7 +32,9 @@ class LoadSpec:
         start: first logical token the chunks cover (a chunk boundary).
         keys: store keys of the chunks, in order; chunk ``i`` covers tokens
             ``start + i * chunk_size ..``; its kept rows go to slots
-            ``start + i * kept .. start + (i + 1) * kept``. The worker fetches and verifies
+            ``start + i * kept .. start + (i + 1) * kept`` (with ``store.per_head``: each
+            head's rows of all chunks from ``start``, padded to ``n * R``; see
+            ``WorkerHalf._write_per_head``). The worker fetches and verifies
             them; if any is missing or bad, none is written and the request's blocks from
             ``start`` are reported to vLLM for recomputation.
     """
