@@ -13,6 +13,7 @@ import torch
 from lmcompact.store import CompactedChunk
 from lmcompact.vllm.compaction import chunk_problem
 from lmcompact.vllm.metadata import LoadSpec, WorkerReport
+from lmcompact.vllm.per_head_rows import head_rows, layer_runs, on_device
 from lmcompact.vllm.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ class ChunkLoading(WorkerState):
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
         for first, group in _runs_of_bytes(chunks, LOAD_GROUP_BYTES):
             dense = [chunk.to_dense() for chunk in group]  # (L, H, kept, D) each
-            keys = torch.cat([_on(device, k) for k, _, _ in dense], dim=2)
-            values = torch.cat([_on(device, v) for _, v, _ in dense], dim=2)
+            keys = torch.cat([on_device(device, k) for k, _, _ in dense], dim=2)
+            values = torch.cat([on_device(device, v) for _, v, _ in dense], dim=2)
             start = load.start + first * self.kept
             for name, kv in self.kv_caches.items():
                 layer = self.layer_index[name]
@@ -80,32 +81,31 @@ class ChunkLoading(WorkerState):
                      load.start                                 load.start + n * slots
         """
         assert self.perhead is not None
-        layers, heads = self.facts.num_layers, self.facts.num_kv_heads
         device = next(iter(self.kv_caches.values())).device
-        width = len(chunks) * self.slots
-        dims = chunks[0].keys.shape[1], chunks[0].values.shape[1]
-        keys = torch.zeros(layers, heads, width, dims[0], dtype=chunks[0].dtype, device=device)
-        values = torch.zeros(layers, heads, width, dims[1], dtype=chunks[0].dtype, device=device)
-        flat_keys, flat_values = keys.view(-1, dims[0]), values.view(-1, dims[1])
-        groups = torch.arange(layers * heads)
-        filled = torch.zeros(layers * heads, dtype=torch.int64)
-        for chunk in chunks:
-            counts = chunk.kept_counts.to(torch.int64).flatten()  # rows are (layer, head)-major
-            owner = groups.repeat_interleave(counts)
-            within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
-            target = (owner * width + filled[owner] + within).to(device)
-            flat_keys.index_copy_(0, target, _on(device, chunk.keys))
-            flat_values.index_copy_(0, target, _on(device, chunk.values))
-            filled += counts
-        filled = filled.view(layers, heads)
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
-        for name, kv in self.kv_caches.items():
-            layer = self.layer_index[name]
-            self.layout.write(kv, block_ids, load.start, keys[layer], values[layer])
+        width = len(chunks) * self.slots
+        first = chunks[0]
+        layer_bytes = (
+            self.facts.num_kv_heads
+            * width
+            * (first.keys.shape[1] + first.values.shape[1])
+            * first.keys.element_size()
+        )
+        counts = []
+        for lo, hi in layer_runs(self.facts.num_layers, layer_bytes, LOAD_GROUP_BYTES):
+            keys, values, filled = head_rows(chunks, lo, hi, self.slots, device)
+            counts.append(filled)
+            for name, kv in self.kv_caches.items():
+                layer = self.layer_index[name]
+                if lo <= layer < hi:
+                    self.layout.write(
+                        kv, block_ids, load.start, keys[layer - lo], values[layer - lo]
+                    )
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # as in _write_chunks
         # slots before load.start hold every head's full KV (vLLM's own hits)
-        self.perhead.add(load.req_id, load.block_ids[0], filled + load.start, load.start + width)
+        totals = torch.cat(counts) + load.start
+        self.perhead.add(load.req_id, load.block_ids[0], totals, load.start + width)
 
     def _fetch(self, load: LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
@@ -154,15 +154,9 @@ class ChunkLoading(WorkerState):
         return None if report.is_empty() else report
 
 
-def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on ``device``; from page-locked host memory without a per-copy wait."""
-    if tensor.device == device:
-        return tensor
-    return tensor.to(device, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
-
-
 LOAD_GROUP_BYTES = 256 << 20
-"""Largest run of loaded chunks gathered on the cache's device before it is written."""
+"""Largest run of loaded chunks (or, with per-head counts, of padded layer rows) gathered
+on the cache's device before it is written."""
 
 
 def _runs_of_bytes(
