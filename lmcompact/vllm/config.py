@@ -129,8 +129,8 @@ class StoreOptions:
             prefill packs them in place with the policy, its window being that request's
             tail (its question); needs the ``"release"`` group with a compacting
             ``prefill`` mode.
-        per_head: ``{"slack": s}`` (s >= 1, with ``compact_on`` ``"save"``): stored chunks
-            keep the policy's own count per (layer, head) (kvzip's ``allocation``
+        per_head: ``{"slack": s}`` (s >= 1, default 3; with ``compact_on`` ``"save"``):
+            stored chunks keep the policy's own count per (layer, head) (kvzip's ``allocation``
             ``"ragged"``, Ada-KV, PyramidKV, DuoAttention), each at most ``R = ceil(K x s)``
             of a chunk's C tokens (whole blocks, below C), K per (layer, head) on average.
             The store holds the ragged rows (bytes at the budget); a load packs each
@@ -165,8 +165,10 @@ class StoreOptions:
             )
 
     def per_head_slack(self) -> float | None:
-        """Slack of per-head stored counts, None when every (layer, head) keeps K."""
-        return per_head_slack(self.per_head, f"{STORE_KEY}.per_head")
+        """Slack of per-head stored counts, None when every (layer, head) keeps K. Default 3:
+        kvzip's ragged counts kept every multi_needle answer at 0.25 with 3, lost most with
+        2 or 1.5 (docs/eval/RESULTS.md, "KVzip with per-head stored counts")."""
+        return per_head_slack(self.per_head, f"{STORE_KEY}.per_head", default=3.0)
 
     @property
     def enabled(self) -> bool:

@@ -174,14 +174,16 @@ class ReleaseOptions:
         return recent
 
 
-def per_head_slack(per_head: Mapping[str, Any] | None, name: str) -> float | None:
-    """The ``slack`` of a ``per_head`` option (``{"slack": s}``, s >= 1, default 1.5), or
-    None when the option is off; ValueError names ``name`` for anything else."""
+def per_head_slack(
+    per_head: Mapping[str, Any] | None, name: str, default: float = 1.5
+) -> float | None:
+    """The ``slack`` of a ``per_head`` option (``{"slack": s}``, s >= 1, else ``default``),
+    or None when the option is off; ValueError names ``name`` for anything else."""
     if per_head is None:
         return None
     if not isinstance(per_head, Mapping) or set(per_head) - {"slack"}:
         raise ValueError(f'{name} must be an object like {{"slack": 1.5}}, got {per_head!r}')
-    slack = per_head.get("slack", 1.5)
+    slack = per_head.get("slack", default)
     if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
         raise ValueError(f"{name}.slack must be a number >= 1, got {slack!r}")
     return float(slack)

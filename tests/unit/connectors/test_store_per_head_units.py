@@ -26,7 +26,7 @@ def test_slots_per_chunk_is_the_cap_in_whole_blocks_below_the_chunk() -> None:
     assert _config(chunk_size=256).slots_per_chunk(32) == 64  # off: K
     assert _config(chunk_size=256, per_head={"slack": 2}).slots_per_chunk(32) == 128
     assert _config(chunk_size=256, per_head={"slack": 1.2}).slots_per_chunk(32) == 96
-    assert _config(chunk_size=256, per_head={}).slots_per_chunk(32) == 96  # default 1.5
+    assert _config(chunk_size=256, per_head={}).slots_per_chunk(32) == 192  # default 3
     # a cap of the whole chunk would leave no hole (nothing masks the padding): C - 1 block
     assert _config(chunk_size=256, per_head={"slack": 8}).slots_per_chunk(32) == 224
     assert _config(chunk_size=256, per_head={"slack": 2}).per_head_counts
