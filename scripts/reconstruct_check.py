@@ -62,29 +62,13 @@ import torch
 
 from lmcompact.attention.pooling import pool_scores
 from lmcompact.eval import tasks
-from lmcompact.eval.text import text_stream
+from lmcompact.eval.text import license_stream, text_stream
 from lmcompact.hf.reconstruct import Reconstruction, reconstruct
 from lmcompact.policies.kvzip import REPEAT_PROMPT
 from lmcompact.policies.self_info import local_mean
 
 DEFAULT_METHODS = "streaming_llm,mean_k15,mean_k31,rank_k15,max_k15,surp_k15,mix_k15,mean_k15_glob"
 N_SINK = 4
-
-
-def license_stream(seed: int) -> str:
-    """Debian's license texts as paragraphs, rotated to a ``seed``-chosen start."""
-    import re
-    from pathlib import Path
-
-    folder = Path("/usr/share/common-licenses")
-    paras = [
-        " ".join(block.split())
-        for path in sorted(p for p in folder.iterdir() if p.is_file())
-        for block in re.split(r"\n\s*\n", path.read_text(errors="ignore"))
-        if len(block.split()) >= 12
-    ]
-    start = (seed * 7919) % len(paras)
-    return "\n\n".join(paras[start:] + paras[:start])
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:

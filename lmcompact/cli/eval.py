@@ -117,10 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--haystack",
-        choices=["passkey", "pydoc"],
+        choices=["passkey", "pydoc", "licenses"],
         default="passkey",
         help="needle haystack: the classic passkey-retrieval filler (default) or Python's "
-        "pydoc text",
+        "pydoc text; --engine vllm always uses natural text: pydoc, or 'licenses' (Debian's "
+        "license texts, /usr/share/common-licenses)",
     )
     parser.add_argument(
         "--prompt-format",
@@ -191,6 +192,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             policy_params=args.policy_params,
             chunk_size=args.chunk_size,
             per_head_slack=args.per_head_slack,
+            text="licenses" if args.haystack == "licenses" else "pydoc",
         )
     except ValueError as error:
         print(f"lmcompact eval: {error}", file=sys.stderr)

@@ -42,3 +42,43 @@ def text_stream(seed: int, skip: int = 0) -> str:
     paras = paragraphs()
     start = (random.Random(seed).randrange(len(paras)) + skip) % len(paras)
     return "\n\n".join(paras[start:] + paras[:start])
+
+
+LICENSES = "/usr/share/common-licenses"
+"""Debian's plain-English license texts (GPL, LGPL, GFDL, Apache, ...): a second kind of
+natural prose for haystacks, on every Debian and Ubuntu machine (package base-files)."""
+
+
+@functools.cache
+def license_paragraphs(folder: str = LICENSES) -> tuple[str, ...]:
+    """Paragraphs of at least 12 words of every file in ``folder``, by file name."""
+    from pathlib import Path
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise RuntimeError(
+            f"{folder} is missing (Debian/Ubuntu package base-files has it); use the pydoc "
+            "haystack on this machine"
+        )
+    return tuple(
+        " ".join(block.split())
+        for path in sorted(p for p in root.iterdir() if p.is_file())
+        for block in re.split(r"\n\s*\n", path.read_text(errors="ignore"))
+        if len(block.split()) >= 12
+    )
+
+
+def license_stream(seed: int) -> str:
+    """The license paragraphs rotated to a ``seed``-chosen start, joined by blank lines."""
+    paras = license_paragraphs()
+    start = (seed * 7919) % len(paras)
+    return "\n\n".join(paras[start:] + paras[:start])
+
+
+def haystack_text(kind: str, seed: int) -> str:
+    """A long natural text of ``kind`` (``"pydoc"`` or ``"licenses"``) for ``seed``."""
+    if kind == "pydoc":
+        return text_stream(seed)
+    if kind == "licenses":
+        return license_stream(seed)
+    raise ValueError(f"unknown haystack text {kind!r}; allowed: pydoc, licenses")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcompact.eval import tasks
-from lmcompact.eval.text import text_stream
+from lmcompact.eval.text import haystack_text
 
 TASKS = ("multi_needle", "needle")
 MODES = ("save", "load", "inplace")
@@ -42,6 +42,8 @@ class VllmEvalConfig:
             scores (``kvzip``) with KVzip's reconstruction request.
         policy_params: per policy name, ``policy_params`` of the connector (e.g.
             ``{"kvzip": {"share": True, "kernel_size": 15}}``).
+        text: the haystacks' natural text, ``"pydoc"`` (Python's language reference) or
+            ``"licenses"`` (Debian's license texts, :func:`lmcompact.eval.text.license_stream`).
         per_head_slack: in ``save`` mode, the connector's ``store.per_head`` slack (stored
             chunks keep per-(layer, head) counts, each at most ``slack`` x the budget's);
             None: one count per (layer, head).
@@ -62,8 +64,11 @@ class VllmEvalConfig:
     reconstruct: bool = True
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     per_head_slack: float | None = None
+    text: str = "pydoc"
 
     def __post_init__(self) -> None:
+        if self.text not in ("pydoc", "licenses"):
+            raise ValueError(f"unknown haystack text {self.text!r}; allowed: pydoc, licenses")
         if self.per_head_slack is not None and not self.per_head_slack >= 1.0:
             raise ValueError(f"per_head_slack must be >= 1, got {self.per_head_slack}")
         bad = [t for t in self.tasks if t not in TASKS]
@@ -109,14 +114,14 @@ def build_cases(tokenizer: Any, config: VllmEvalConfig, context: int) -> list[Ca
             seed = config.seed * 1000 + index
             if task == "multi_needle":
                 stored = tasks.build_stored_context(
-                    tokenizer, context, seed, config.depths, text_stream(seed)
+                    tokenizer, context, seed, config.depths, haystack_text(config.text, seed)
                 )
                 cases.append(Case(task, context, index, stored))
                 continue
             for d, depth in enumerate(config.depths):
                 cseed = seed * 10 + d
                 stored = tasks.build_stored_context(
-                    tokenizer, context, cseed, [depth], text_stream(cseed)
+                    tokenizer, context, cseed, [depth], haystack_text(config.text, cseed)
                 )
                 cases.append(Case(task, context, index, stored))
     return cases

@@ -232,6 +232,7 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                     ),
                     "budget": budget,
                     "compact_on": mode,
+                    "haystack": config.text,
                 }
                 wanted = (2 * context if recon else context) + 64 + config.new_tokens
                 max_model_len = min(wanted, max(positions, context + 64 + config.new_tokens))

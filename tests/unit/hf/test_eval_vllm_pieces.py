@@ -237,3 +237,20 @@ def test_save_mode_of_self_info_uses_the_surprisal_requests() -> None:
     assert not uses_surprisal("load", "self_info", config)
     assert not uses_surprisal("save", "kvzip", config)
     assert not uses_surprisal("save", "snapkv", config)
+
+
+@pytest.mark.skipif(
+    not __import__("pathlib").Path("/usr/share/common-licenses").is_dir(),
+    reason="no /usr/share/common-licenses on this machine",
+)
+def test_licenses_haystack_is_a_second_natural_text() -> None:
+    from lmcompact.eval.text import haystack_text
+
+    text = haystack_text("licenses", 0)
+    assert len(text) > 50_000 and "\n\n" in text and "License" in text
+    assert haystack_text("licenses", 1) != text  # the seed picks the start
+    assert haystack_text("pydoc", 0) != text
+    with pytest.raises(ValueError, match="pydoc, licenses"):
+        haystack_text("filler", 0)
+    with pytest.raises(ValueError, match="unknown haystack text"):
+        VllmEvalConfig(text="filler")
