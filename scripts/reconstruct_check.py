@@ -64,6 +64,7 @@ from lmcompact.attention.pooling import pool_scores
 from lmcompact.eval import tasks
 from lmcompact.eval.text import license_stream, text_stream
 from lmcompact.hf.reconstruct import Reconstruction, reconstruct
+from lmcompact.policies.allocation import ragged_keep_mask
 from lmcompact.policies.kvzip import REPEAT_PROMPT
 from lmcompact.policies.self_info import local_mean
 
@@ -111,37 +112,24 @@ def select(score: torch.Tensor, chunk: int, kept: int, kernel: int, glob: bool) 
     return keep
 
 
-def capped_topk(scores: torch.Tensor, total: int, cap: int) -> torch.Tensor:
-    """``scores`` ``(G, T)`` -> bool mask with the ``total`` highest entries, each row at most
-    ``cap`` of them (a row's entries below its ``cap``-th highest are never eligible)."""
-    order = scores.argsort(dim=-1, descending=True)
-    rank = order.argsort(dim=-1)
-    eligible = torch.where(rank < cap, scores, torch.full_like(scores, -float("inf")))
-    flat = eligible.reshape(-1).topk(min(total, int((rank < cap).sum()))).indices
-    keep = torch.zeros(scores.numel(), dtype=torch.bool)
-    keep[flat] = True
-    return keep.view_as(scores)
-
-
 def perhead_masks(rec: Reconstruction, method: str, budget: float, chunk: int) -> torch.Tensor:
-    """``(L, Hkv, T)`` bool kept keys of a per-head method (``kvz_*``)."""
+    """``(L, Hkv, T)`` bool kept keys of a per-head method (``kvz_*``): kvzip's
+    ``allocation="ragged"`` choice (:func:`ragged_keep_mask`) over each span."""
     _, mode, *options = method.split("_")
     slack = next((int(o[1:]) / 100 for o in options if o.startswith("s")), None)
     scores = rec.scores.double().clone()
     scores[..., :N_SINK] = 1.0 + 1e-3  # kvpress: sinks at 1 (the largest softmax weight)
-    layers, heads, t = scores.shape
-    keep = torch.zeros(layers, heads, t, dtype=torch.bool)
-    if mode == "head":
-        count = int(t * budget)
-        keep.scatter_(-1, scores.topk(count, dim=-1).indices, True)
-        return keep
-    span = t if mode == "glob" else chunk
+    t = scores.shape[-1]
+    keep = torch.zeros(scores.shape, dtype=torch.bool)
+    span = chunk if mode == "chunk" else t
     for lo in range(0, t, span):
-        part = scores[..., lo : lo + span].reshape(layers * heads, -1)
+        part = scores[..., lo : lo + span]
         width = part.shape[-1]
+        count = int(width * budget)
         cap = width if slack is None else min(width, math.ceil(width * budget * slack))
-        chosen = capped_topk(part, int(part.numel() * budget), cap)
-        keep[..., lo : lo + span] = chosen.view(layers, heads, width)
+        if mode == "head":
+            cap = count  # every (layer, head) its own top-k
+        keep[..., lo : lo + span] = ragged_keep_mask(part, count, cap)
     return keep
 
 

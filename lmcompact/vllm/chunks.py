@@ -62,67 +62,25 @@ def build_chunk(
     Every (layer, head) keeps ``kept`` tokens (:func:`uniform_keep`), or with ``cap``
     (``store.per_head``) the plan's own count, clipped to ``cap``.
     """
-    if cap is not None and plan is not None:
-        return _ragged_chunk(per_layer, lo, chunk_size, plan, cap, store_dtype)
+    heads = per_layer[0][0].shape[0]
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
     positions_out: list[torch.Tensor] = []
+    counts = torch.zeros(len(per_layer), heads, dtype=torch.int32)
     for layer, (k, v) in enumerate(per_layer):
-        heads = k.shape[0]
-        if plan is None:
-            idx = torch.arange(chunk_size).expand(heads, -1)
-        else:
-            idx = torch.stack(
-                [uniform_keep(plan.kept[layer][head], kept, chunk_size) for head in range(heads)]
-            )
-        # one gather per layer for all heads: (H, kept) rows of the chunk; advanced
-        # indexing per head (``k[head, lo + idx]``) took ~8 ms a call on the CPU
-        keys_out.append(_gather_rows(k[:, lo : lo + chunk_size], idx))
-        values_out.append(_gather_rows(v[:, lo : lo + chunk_size], idx))
-        positions_out.append(idx.reshape(-1).to(torch.int32))
+        picked = [_head_keep(plan, layer, head, kept, cap, chunk_size) for head in range(heads)]
+        counts[layer] = torch.tensor([p.numel() for p in picked], dtype=torch.int32)
+        # one gather per layer for all heads over (H, widest) indices; advanced indexing
+        # per head (``k[head, lo + idx]``) took ~8 ms a call on the CPU
+        idx = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True)
+        rows = None
+        if bool((counts[layer] != idx.shape[1]).any()):  # ragged: drop each head's padding
+            rows = torch.arange(idx.shape[1])[None, :] < counts[layer, :, None]
+        keys_out.append(_gather_rows(k[:, lo : lo + chunk_size], idx, rows))
+        values_out.append(_gather_rows(v[:, lo : lo + chunk_size], idx, rows))
+        positions_out.append(torch.cat(picked).to(torch.int32))
     keys = torch.cat(keys_out)
     values = torch.cat(values_out)
-    if store_dtype is not None:
-        keys, values = keys.to(store_dtype), values.to(store_dtype)
-    counts = torch.full((len(per_layer), per_layer[0][0].shape[0]), kept, dtype=torch.int32)
-    return CompactedChunk(
-        keys=keys.contiguous(),
-        values=values.contiguous(),
-        kept_counts=counts,
-        positions=torch.cat(positions_out),
-        num_tokens=chunk_size,
-    )
-
-
-def _ragged_chunk(
-    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    lo: int,
-    chunk_size: int,
-    plan: KeepPlan,
-    cap: int,
-    store_dtype: torch.dtype | None,
-) -> CompactedChunk:
-    """:func:`build_chunk` with the plan's per-(layer, head) counts (at most ``cap``)."""
-    keys_out: list[torch.Tensor] = []
-    values_out: list[torch.Tensor] = []
-    positions_out: list[torch.Tensor] = []
-    counts = torch.zeros(len(per_layer), per_layer[0][0].shape[0], dtype=torch.int32)
-    for layer, (k, v) in enumerate(per_layer):
-        heads, _, dim = k.shape
-        picked = []
-        for head in range(heads):
-            chosen = plan.kept[layer][head].to(torch.int64)
-            if chosen.numel() > cap:
-                chosen = uniform_keep(chosen, cap, chunk_size)
-            counts[layer, head] = chosen.numel()
-            picked.append(chosen)
-        flat = torch.cat([head * chunk_size + p for head, p in enumerate(picked)])
-        # one index_select per layer over its (H * C, D) rows, head-major like the plan
-        rows = flat.to(k.device)
-        keys_out.append(k[:, lo : lo + chunk_size].reshape(-1, dim).index_select(0, rows))
-        values_out.append(v[:, lo : lo + chunk_size].reshape(-1, v.shape[-1]).index_select(0, rows))
-        positions_out.append(torch.cat(picked).to(torch.int32))
-    keys, values = torch.cat(keys_out), torch.cat(values_out)
     if store_dtype is not None:
         keys, values = keys.to(store_dtype), values.to(store_dtype)
     return CompactedChunk(
@@ -134,11 +92,28 @@ def _ragged_chunk(
     )
 
 
-def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _head_keep(
+    plan: KeepPlan | None, layer: int, head: int, kept: int, cap: int | None, chunk_size: int
+) -> torch.Tensor:
+    """Sorted int64 positions one (layer, head) stores: all (no plan), exactly ``kept``,
+    or with ``cap`` the plan's own (at most ``cap``)."""
+    if plan is None:
+        return torch.arange(chunk_size)
+    chosen = plan.kept[layer][head].to(torch.int64)
+    if cap is None:
+        return uniform_keep(chosen, kept, chunk_size)
+    return uniform_keep(chosen, cap, chunk_size) if chosen.numel() > cap else chosen
+
+
+def _gather_rows(
+    rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(H * K, D)``: rows ``index[h]`` of ``rows[h]`` (``rows`` ``(H, C, D)``, ``index``
-    ``(H, K)``), head-major."""
+    ``(H, K)``), head-major; with ``valid`` ``(H, K)`` only the True entries."""
     index = index.to(rows.device)
     picked = torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+    if valid is not None:
+        return picked[valid.to(rows.device)]
     return picked.reshape(-1, rows.shape[-1])
 
 
@@ -156,7 +131,7 @@ def chunk_problem(
         if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > cap):
             low, high = int(counts.min()), int(counts.max())
             return f"holding per-head counts in [{low}, {high}], not <= {cap}"
-        kept = -1  # compared below as the uniform count: a ragged chunk has none
+    # one count K for every (layer, head), unless per-head counts are allowed
     expected = (
         facts.num_layers,
         facts.num_kv_heads,
@@ -164,7 +139,7 @@ def chunk_problem(
         facts.head_dim,
         facts.dtype,
         chunk_size,
-        kept,
+        None if cap is not None else kept,
     )
     got = (
         chunk.num_layers,
@@ -173,7 +148,7 @@ def chunk_problem(
         chunk.values.shape[1],
         chunk.dtype,
         chunk.num_tokens,
-        -1 if cap is not None else chunk.uniform_count(),
+        None if cap is not None else chunk.uniform_count(),
     )
     if got != expected:
         return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"

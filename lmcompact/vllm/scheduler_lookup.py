@@ -125,7 +125,7 @@ class StoreLookup(SchedulerState):
         tracked = self.states.get(req_id)
         if tracked is None or not (tracked.confirmed and tracked.pending):
             return None
-        if self.kept >= self.config.store.chunk_size:
+        if self.slots >= self.config.store.chunk_size:
             return None
         return tracked.pending_start
 

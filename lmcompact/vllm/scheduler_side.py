@@ -68,8 +68,7 @@ class SchedulerHalf(StoreLookup, SavePlanning):
                 f"{facts.tp_size} ranks"
             )
         self.keyer = keyer
-        # slots a loaded chunk takes in the block row (K, or the per-head cap R)
-        self.kept = config.slots_per_chunk(facts.block_size)
+        self.slots = config.slots_per_chunk(facts.block_size)
         self.save_wait_s = save_wait_s
         self.policy = config.store_policy()  # what the saved chunks' compaction reads
         self.states = RequestStates()  # one record per live request, shared by the halves
@@ -176,12 +175,12 @@ class SchedulerHalf(StoreLookup, SavePlanning):
         self.stats["hit_chunks"] += count
         tracked.loaded_end = start + count * c
         tracked.load_start = start
-        hole_tokens = count * (c - self.kept)
+        hole_tokens = count * (c - self.slots)
         logger.info(
             "loading %s from the store: %d prefix tokens as %d %s per (layer, head)%s",
             sched.req_id,
             count * c,
-            count * self.kept,
+            count * self.slots,
             "slots (per-head counts, padded)" if self.config.store.per_head else "kept",
             " (compacted)" if hole_tokens else "",
         )
@@ -189,11 +188,11 @@ class SchedulerHalf(StoreLookup, SavePlanning):
             # the release group gives its blocks back once the worker confirmed the load
             tracked.hole = HoleState(
                 first_block=tracked.block_ids[0],
-                start=(start + count * self.kept) // bs,
+                start=(start + count * self.slots) // bs,
                 length=hole_tokens // bs,
                 visible_from=self.states.step,
                 owned=False,
-                window_lead=(start + (count - 1) * self.kept) // bs,
+                window_lead=(start + (count - 1) * self.slots) // bs,
             )
 
     def finished(self, req_id: str) -> None:

@@ -26,7 +26,7 @@ class SchedulerState:
     store: TieredStore
     rank_stores: list[TieredStore]
     keyer: ChunkKeyer
-    kept: int
+    slots: int  # slots one loaded chunk takes in a block row (K, or the per-head cap)
     save_wait_s: float
     policy: CompactionPolicy
     tp_size: int

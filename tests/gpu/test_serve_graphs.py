@@ -348,16 +348,7 @@ def test_store_per_head_load_matches_masked_reference_with_graphs(model_dir: Pat
     assert perhead["requests"] == 1 and perhead["calls"] >= 2
     counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
     assert counts.unique().numel() > 1 and int(counts.max()) <= 128
-    kept: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
-    for layer in range(LAYERS):
-        for head in range(KV_HEADS):
-            rows = []
-            for c, chunk in enumerate(loads[0]):
-                flat = chunk.kept_counts.flatten().long()
-                at = int(flat[: layer * KV_HEADS + head].sum())
-                n = int(flat[layer * KV_HEADS + head])
-                rows.append(chunk.positions[at : at + n].long() + c * 256)
-            kept[layer].append(torch.cat(rows))
+    kept = reference.stored_positions(loads[0], 256)
     compaction = reference.Compaction(span=768, from_query=768, kept=kept)
     model = reference.load(str(model_dir))
     first = int(out.token_ids[0])

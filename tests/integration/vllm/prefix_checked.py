@@ -119,7 +119,7 @@ class _CheckedSteps(PrefixChecks):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
-        self.check_step(meta, scheduler_output, self._scheduler().kept)  # type: ignore[attr-defined]
+        self.check_step(meta, scheduler_output, self._scheduler().slots)  # type: ignore[attr-defined]
         return meta
 
 

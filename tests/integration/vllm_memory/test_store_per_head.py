@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids
 from tests.integration.vllm_memory.harness import memory_engine
@@ -113,17 +112,7 @@ def test_store_load_equals_masked_reference(tiny_model: Path, served: dict[str, 
     _, chunks = served["loads"][0]
     n = len(chunks)
     model = reference.load(str(tiny_model))
-    layers, heads = chunks[0].kept_counts.shape
-    kept: list[list[torch.Tensor]] = [[] for _ in range(layers)]
-    for layer in range(layers):
-        for head in range(heads):
-            rows = []
-            for i, chunk in enumerate(chunks):
-                counts = chunk.kept_counts.flatten().long()
-                at = int(counts[: layer * heads + head].sum())
-                count = int(counts[layer * heads + head])
-                rows.append(chunk.positions[at : at + count].long() + i * CHUNK)
-            kept[layer].append(torch.cat(rows))
+    kept = reference.stored_positions(chunks, CHUNK)
     compaction = reference.Compaction(span=n * CHUNK, from_query=n * CHUNK, kept=kept)
     tokens, logprobs = served["second"]
     ref_tokens, ref_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, compaction)

@@ -156,3 +156,15 @@ def engine_greedy(
     out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
     tokens = list(out.token_ids)
     return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]
+
+
+def stored_positions(chunks: Sequence[Any], chunk_size: int) -> list[list[torch.Tensor]]:
+    """``kept[layer][head]``: the logical positions loaded chunks ``0, 1, ..`` (from token
+    0) hold for each (layer, kv head), per-head counts or not."""
+    layers, heads = chunks[0].kept_counts.shape
+
+    def one(layer: int, head: int) -> torch.Tensor:
+        rows = [c.head(layer, head)[2].long() + i * chunk_size for i, c in enumerate(chunks)]
+        return torch.cat(rows)
+
+    return [[one(layer, head) for head in range(heads)] for layer in range(layers)]
