@@ -26,7 +26,7 @@ def main() -> None:
     )
     kv = KVTransferConfig(
         kv_connector="LMCompactConnector",
-        kv_connector_module_path="lmcompact.vllm.connector",
+        kv_connector_module_path="connectors.vllm.connector",
         kv_role="kv_both",
         kv_connector_extra_config={
             "policy": "snapkv",

@@ -18,9 +18,10 @@ import torch
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lmcompact.compaction.chunks import build_chunk
+    from lmcompact.compaction.save_job import observe_layer
     from lmcompact.policies import CompactionInputs, LayerObservation, Need, make_policy
     from lmcompact.store import ChunkKeyer, StoreConfig, StoreNamespace, TieredStore
-    from lmcompact.vllm.compaction import build_chunk, observe_layer
 
     model_dir = (
         sys.argv[1]

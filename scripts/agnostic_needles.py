@@ -19,38 +19,58 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.integration.vllm.engine import engine, greedy, worker_connector
-from tests.integration.vllm.shared_context import SharedContext, build_shared_context
+from connectors.vllm import offline
+from lmcompact.eval.tasks import StoredContext, build_stored_context, make_needles, score_needle
+from lmcompact.eval.text import text_stream
 
 MAX_TOKENS = 8
+DEPTHS = (0.2, 0.5, 0.8)
+
+
+def shared_context(tokenizer: Any, context_tokens: int, seed: int) -> StoredContext:
+    """A context of exactly ``context_tokens`` ids of pydoc text hiding one colored-door
+    needle per depth of :data:`DEPTHS`, and one question per needle."""
+    needles = make_needles(seed, DEPTHS, "pydoc")
+    return build_stored_context(
+        tokenizer, context_tokens, seed, DEPTHS, text_stream(seed), needles=needles
+    )
+
+
+def greedy(llm: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy token ids (``max_tokens`` of them, end of sequence ignored)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
 
 
 def run_cell(
     model: str,
     tokenizer: Any,
-    contexts: list[SharedContext],
+    contexts: list[StoredContext],
     extra: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Accuracy of every question of every context; the context is stored first."""
     correct = hits = asked = 0
     answers: list[str] = []
     began = time.perf_counter()
-    with engine(model, extra, max_model_len=4608) as llm:
-        connector = worker_connector()
+    with offline.engine(model, extra, max_model_len=4608) as llm:  # float32, block 32
+        connector = offline.worker_connector()
         for ctx in contexts:
             if connector is not None:
-                greedy(llm, ctx.context, 1)  # the request that stores the context
-                connector.worker_half.drain()
-            for index in range(len(ctx.needles)):
-                before = connector.worker_half.stats["loaded_chunks"] if connector else 0
+                greedy(llm, ctx.context_ids, 1)  # the request that stores the context
+                connector.worker.drain()
+            for index, needle in enumerate(ctx.needles):
+                before = connector.worker.stats["loaded_chunks"] if connector else 0
                 out = tokenizer.decode(greedy(llm, ctx.prompt(index), MAX_TOKENS))
                 if connector is not None:
-                    connector.worker_half.drain()
-                    hits += connector.worker_half.stats["loaded_chunks"] > before
+                    connector.worker.drain()
+                    hits += connector.worker.stats["loaded_chunks"] > before
                 asked += 1
-                correct += ctx.correct(index, out)
+                correct += score_needle(out, needle.passkey) == 1.0
                 answers.append(out)
-        stats = dict(connector.worker_half.stats) if connector else {}
+        stats = dict(connector.worker.stats) if connector else {}
     return {
         "accuracy": correct / asked,
         "correct": correct,
@@ -79,10 +99,11 @@ def main() -> None:
 
     from lmcompact.hf.prepare import prepare_model
 
+    offline.in_process_env(kv_cache_gib=1)
     model = args.model or str(prepare_model("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     contexts = [
-        build_shared_context(tokenizer, args.context, seed)
+        shared_context(tokenizer, args.context, seed)
         for seed in range(args.first_seed, args.first_seed + args.samples)
     ]
     rows: list[dict[str, Any]] = []
@@ -97,7 +118,7 @@ def main() -> None:
             cell: dict[str, Any] = {
                 "policy": policy,
                 "budget": budget,
-                "chunk_size": args.chunk_size,
+                "store": {"chunk_size": args.chunk_size},
             }
             if window is not None:
                 cell["window"] = window

@@ -12,7 +12,7 @@ policy and repeat, interleaved so machine load hits both alike:
 
 - kvpress: ``press.compress(...)`` on every layer (scores + top-k + gather;
   SnapKV-style presses recompute their window queries from the hidden states).
-- lmcompact: the scores the policy reads (``observe_prefill`` on the captured
+- lmcompact: the scores the policy reads (``prompt_observations`` on the captured
   queries, as the attention forward does), ``policy.plan``, and
   ``ragged_from_dense`` per layer (the gather into ragged per-head K/V).
 
@@ -32,14 +32,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from lmcompact.compaction.policy_inputs import (
+    compaction_inputs,
+    layer_observation,
+    prompt_observations,
+)
 from lmcompact.eval import tasks
 from lmcompact.eval.kvpress_worker import make_press
 from lmcompact.eval.policies import policy_for
-from lmcompact.hf.observe import observe_prefill
 from lmcompact.layout.ragged import ragged_from_dense
-from lmcompact.policies.base import CompactionInputs, LayerObservation, Need
 
 SHARED = ("streaming_llm", "snapkv", "pyramidkv", "adakv", "knorm", "tova", "random")
 WINDOW = 32
@@ -97,23 +98,20 @@ def time_lmcompact(policy: Any, layers: list[dict[str, Any]]) -> tuple[float, fl
     window = getattr(policy, "window_size", None) or WINDOW  # as CompactingCache picks it
     start = time.perf_counter()
     observations = [
-        observe_prefill(layer["queries"], layer["keys"], policy.needs, window, scale)
+        prompt_observations(
+            policy.needs, layer["queries"], layer["keys"], window=window, scale=scale
+        )[0]
         for layer in layers
     ]
     middle = time.perf_counter()
-    keys_needed = Need.KEYS in policy.needs
-    inputs = CompactionInputs(
-        num_candidates=layers[0]["keys"].shape[2],
-        num_kv_heads=layers[0]["keys"].shape[1],
-        layers=[
-            LayerObservation(
-                keys=layer["keys"][0] if keys_needed else None,
-                values=layer["values"][0] if keys_needed else None,
-                window_scores=None if obs.window_scores is None else obs.window_scores[0],
-                window_attention=None if obs.window_attention is None else obs.window_attention[0],
-            )
-            for layer, obs in zip(layers, observations, strict=True)
+    inputs = compaction_inputs(
+        policy.needs,
+        [
+            layer_observation(policy.needs, layer["keys"][0], layer["values"][0], observed=observed)
+            for layer, observed in zip(layers, observations, strict=True)
         ],
+        layers[0]["keys"].shape[2],
+        layers[0]["keys"].shape[1],
     )
     plan = policy.plan(inputs)
     for index, layer in enumerate(layers):

@@ -10,7 +10,7 @@ question greedily from the context's whole cache with the dropped keys masked ou
 
 What the vLLM store does with sliding-window layers is mirrored: they keep each chunk's
 most recent tokens, and a later request sees only the last chunk's of them (the hole's
-``window_lead``, ``lmcompact/vllm/holes.py``). Scores come from the layers that can see the
+``window_lead``, ``lmcompact/compaction/holes.py``). Scores come from the layers that can see the
 first copy (the global ones; every layer on a model without sliding windows).
 
 Methods (``--methods``, each ``NAME@budget`` in the output; one token set shared by every

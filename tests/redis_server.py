@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lmcompact.store.redis_process import RedisProcess
+from tests.support.redis_process import RedisProcess
 
 __all__ = ["RedisProcess", "redis_server_fixture", "require_redis_server"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from lmcompact.bench.child import child_main
 from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
-from lmcompact.cli._output import format_table
+from lmcompact.results import format_table
 
 NAME = "capacity"
 HELP = "fixed KV pool, many long-context requests: concurrency, decode throughput, needle"

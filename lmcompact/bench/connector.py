@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from lmcompact.bench.serve import SHAPES, shape_folder
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.results import format_table, write_json
 
 NAME = "connector"
 HELP = "vLLM connector: TTFT of a ~4k-token prompt, store hit vs recompute; bytes; compaction"
@@ -103,21 +103,17 @@ def measure(
     per_head_slack: float | None = None,
     decode_tokens: int = 0,
 ) -> dict[str, Any]:
-    from lmcompact.vllm import offline
+    from connectors.vllm import offline
 
-    extra: dict[str, Any] = {
-        "policy": policy,
-        "budget": budget,
-        "chunk_size": chunk_size,
-        "window": 64,
-    }
+    store: dict[str, Any] = {"chunk_size": chunk_size}
+    extra: dict[str, Any] = {"policy": policy, "budget": budget, "window": 64, "store": store}
     if policy_params:
         extra["policy_params"] = policy_params
     if per_head_slack is not None and policy != "none":
-        extra["per_head"] = {"slack": per_head_slack}
+        store["per_head"] = {"slack": per_head_slack}
     dtype, engine = engine_options(shape)
     if shape is not None:
-        extra["cpu_capacity_mb"] = 16384  # a 16k prompt of the 8B shape is 2 GiB uncompacted
+        store["cpu_capacity_mb"] = 16384  # a 16k prompt of the 8B shape is 2 GiB uncompacted
     llm = offline.build_llm(
         model,
         extra,
@@ -194,7 +190,7 @@ def _profiled_hit(
 ) -> list[dict[str, Any]]:
     """cProfile of one more hit (generating ``max_tokens``): the ``top`` functions by
     cumulative time (seconds)."""
-    from lmcompact.vllm import offline
+    from connectors.vllm import offline
 
     profiler = cProfile.Profile()
     profiler.enable()
@@ -224,7 +220,7 @@ def _profiled_hit(
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmcompact.vllm import offline
+    from connectors.vllm import offline
 
     offline.in_process_env(kv_cache_gib=2)
     with tempfile.TemporaryDirectory() as scratch:
@@ -297,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
 def _text_prompt(args: argparse.Namespace) -> list[int]:
     from transformers import AutoTokenizer
 
-    from lmcompact.cli.demo import build_prompt, haystack
+    from lmcompact.eval.chat_needle import build_prompt, haystack
 
     if args.model is None:
         from lmcompact.hf.prepare import prepare_model

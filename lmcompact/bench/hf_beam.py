@@ -79,7 +79,7 @@ from lmcompact.bench.hf_beam_runs import (
 )
 from lmcompact.bench.hf_beam_score import forced_logits, reference_rows
 from lmcompact.bench.shapes import LLAMA_SHAPES
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.results import format_table, write_json
 
 NAME = "hf-beam"
 HELP = "beam search in transformers generate: PagedCache (+int8, +compaction) vs DynamicCache"

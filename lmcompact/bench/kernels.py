@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    from lmcompact.cli._output import format_table, write_json
+    from lmcompact.results import format_table, write_json
 
     if not torch.cuda.is_available():
         print("lmcompact bench kernels needs a CUDA GPU", file=sys.stderr)

@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.results import format_table, write_json
 
 NAME = "scores"
 HELP = "chunked observation-window scores vs eager full attention: time and peak memory"

@@ -31,7 +31,7 @@ from typing import Any
 from lmcompact.bench.child import child_main
 from lmcompact.bench.shapes import LLAMA_SHAPES
 from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
-from lmcompact.cli._output import format_table
+from lmcompact.results import format_table
 
 NAME = "serve"
 HELP = "end-to-end serving (CUDA graphs, default batching): baseline vs compaction budgets"
@@ -265,11 +265,8 @@ def run(args: argparse.Namespace) -> int:
         **summary,
         "runs": runs,
     }
-    try:
-        import vllm
+    from connectors.vllm.patches.engine import vllm_version
 
-        payload["machine"]["vllm"] = vllm.__version__
-    except ImportError:  # pragma: no cover - the runs themselves need vLLM
-        pass
+    payload["machine"]["vllm"] = vllm_version()
     publish(args, payload, lambda path: _plot(path, runs, summary))
     return 0

@@ -87,7 +87,7 @@ def run_serve(workload: ServeWorkload, extra: Mapping[str, Any] | None) -> dict[
     import torch
     from vllm import SamplingParams
 
-    from lmcompact.vllm.offline import build_llm
+    from connectors.vllm.offline import build_llm
 
     on_cuda = torch.cuda.is_available()
     tp = workload.tensor_parallel_size
@@ -206,14 +206,13 @@ def cpu_binding(ranks: int) -> str:
 
 def _rank_pack_figures(worker: Any) -> dict[str, Any]:
     """Run on each worker (``LLM.collective_rpc``): its connector's pack figures."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from connectors.vllm.offline import worker_connector
 
-    connector: Any = get_kv_transfer_group()
-    release = connector.release_worker  # the worker's pack side
+    release: Any = worker_connector().worker  # the worker side of this rank
     return {
         "timings": release.pack_timings(),
-        "device_packs": int(release.stats["device_packs"]),
-        "unscored": int(release.stats["unscored"]),
+        "device_packs": int(release.pack_stats["device_packs"]),
+        "unscored": int(release.pack_stats["unscored"]),
         "warm_up_s": [list(x) for x in release.warm_up_s],
     }
 
@@ -222,12 +221,12 @@ def _connector_figures(scheduler: Any, llm: Any = None) -> dict[str, Any] | None
     """Pack counts and timings of the release group: the in-process worker's, or with
     ``llm`` (tensor parallel) every rank's through ``collective_rpc``."""
     connector = getattr(scheduler, "connector", None)
-    memory = getattr(connector, "memory_scheduler", None)
-    if memory is None:
+    memory = getattr(connector, "scheduler", None)
+    if memory is None or memory.planner is None:
         return None
     # in-process: the worker-side connector here; tensor parallel: every rank's
     ranks = [_rank_pack_figures(None)] if llm is None else llm.collective_rpc(_rank_pack_figures)
-    stats = memory.stats
+    stats = memory.release_stats
     first = ranks[0]
     timings = first["timings"]
     device, host = timings["device"], timings["host"]

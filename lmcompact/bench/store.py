@@ -29,8 +29,15 @@ every round's times (``times_s``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,7 @@ import torch
 
 from lmcompact.bench.store_cases import BudgetCase
 from lmcompact.bench.store_cuda import STEPS as CUDA_STEPS
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.results import format_table, write_json
 from lmcompact.store.chunk import SUPPORTED_DTYPES
 
 NAME = "store"
@@ -146,10 +153,54 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def scratch_redis_server(timeout_s: float = 10.0) -> Iterator[str]:
+    """A throwaway ``redis-server`` on a free 127.0.0.1 port (no persistence, its files in a
+    temporary folder); yields its URL and stops it by PID on exit.
+
+    The Redis rows measure a real server: without ``--redis-url`` the benchmark starts its
+    own. FileNotFoundError without ``redis-server`` on PATH; RuntimeError when it exits at
+    once; TimeoutError when it does not answer PING within ``timeout_s``.
+    """
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise FileNotFoundError("redis-server not found on PATH (apt-get install redis-server)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    with tempfile.TemporaryDirectory(prefix="lmc-bench-redis-") as folder:
+        command = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                   "--appendonly", "no", "--dir", folder]  # fmt: skip
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _answers_ping(port):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"redis-server on port {port} did not answer PING")
+                time.sleep(0.02)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from lmcompact.store.redis_process import RedisProcess
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets or any(not 0 < b <= 1 for b in budgets):
@@ -160,12 +211,11 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.iters < 1 or args.repeats < 1:
         raise SystemExit(f"--iters and --repeats must be >= 1, got {args.iters}, {args.repeats}")
-    server: RedisProcess | None = None
+    scratch = contextlib.ExitStack()  # the private redis-server, when one is started
     redis_url = args.redis_url
     if redis_url is None and not args.no_redis:
         try:
-            server = RedisProcess().start()
-            redis_url = server.url
+            redis_url = scratch.enter_context(scratch_redis_server())
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             logger.warning("no Redis measurements: %s", exc)
     cases: list[BudgetCase] = []
@@ -180,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for case in cases:
             case.close()
-        if server is not None:
-            server.stop()
+        scratch.close()
 
     full = rows[0]
     result: dict[str, Any] = {

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcompact.bench.child import run_child
-from lmcompact.cli._output import write_json
+from lmcompact.results import write_json
 
 Plan = tuple[str, dict[str, Any] | None]
 """(run name, ``kv_connector_extra_config`` or None for plain vLLM)."""

@@ -115,7 +115,7 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import SamplingParams
 
-    from lmcompact.vllm.offline import build_llm
+    from connectors.vllm.offline import build_llm
 
     llm = build_llm(  # the one engine recipe; max_model_len is clipped to the pool
         workload.model,
@@ -169,17 +169,18 @@ def run_workload(workload: Workload, extra: Mapping[str, Any] | None) -> dict[st
     end_free = int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
     memory_stats: dict[str, Any] | None = None
     connector = getattr(scheduler, "connector", None)
-    if connector is not None and getattr(connector, "memory_scheduler", None) is not None:
-        stats = connector.memory_scheduler.stats
+    half = getattr(connector, "scheduler", None)
+    if half is not None and half.planner is not None:
+        stats = half.release_stats
         memory_stats = {"packs": stats.packs, "blocks_released": stats.blocks_released}
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from connectors.vllm.offline import worker_connector
 
-        worker: Any = get_kv_transfer_group()  # in-process: the worker-side connector
+        worker: Any = worker_connector().worker  # in-process: the worker side
         memory_stats["pack_seconds"] = float(worker.pack_stats["seconds"])
         memory_stats["packed_tokens"] = int(worker.pack_stats["tokens"])
         memory_stats["unscored_packs"] = int(worker.pack_stats["unscored"])
-        memory_stats["capture_specs"] = int(worker.worker_half.stats["capture_specs"])
-        memory_stats["captures_found"] = int(worker.worker_half.stats["captures_found"])
+        memory_stats["capture_specs"] = int(worker.stats["capture_specs"])
+        memory_stats["captures_found"] = int(worker.stats["captures_found"])
     engine.engine_core.shutdown()
 
     correct = sum(answers[r] in texts.get(r, "") for r in answers)

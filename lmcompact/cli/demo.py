@@ -3,27 +3,22 @@
 Real vLLM on the CPU with SmolLM2-135M-Instruct and the embedded CPU store. A long
 haystack hides one needle; the first request computes the prompt and stores its
 compacted prefix; the second request with the same context and question loads it
-(store hit) and must still find the needle.
+(store hit) and must still find the needle (the prompt: :mod:`lmcompact.eval.chat_needle`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import random
 import sys
-from typing import Any
 
-from lmcompact.cli._output import format_table, write_json
+from lmcompact.eval.chat_needle import NEEDLE_VALUE, build_prompt, haystack
+from lmcompact.results import format_table, write_json
 
 NAME = "demo"
 HELP = "vLLM + SmolLM2 on the CPU: store a compacted prefix, reload it, answer a needle question"
 
 logger = logging.getLogger(__name__)
-
-NEEDLE_VALUE = "7481"
-NEEDLE = f"Remember this: the secret code of the blue door is {NEEDLE_VALUE}. "
-QUESTION = "What is the secret code of the blue door? Reply with the number only."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,36 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the result as JSON here ('-': stdout)")
 
 
-def haystack(tokenizer: Any, context_tokens: int, depth: float, seed: int = 0) -> str:
-    """Public-domain filler (Python's own docs) of about ``context_tokens`` with the needle."""
-    from pydoc_data.topics import topics
-
-    paragraphs = [" ".join(text.split()) for text in topics.values() if len(text) > 200]
-    random.Random(seed).shuffle(paragraphs)
-    parts: list[str] = []
-    used = 0
-    for paragraph in paragraphs:
-        sentences = paragraph.split(". ")[:6]
-        text = ". ".join(sentences).strip() + ". "
-        used += len(tokenizer.encode(text, add_special_tokens=False))
-        parts.append(text)
-        if used >= context_tokens:
-            break
-    parts.insert(max(1, int(depth * len(parts))), NEEDLE)
-    return "".join(parts)
-
-
-def build_prompt(tokenizer: Any, context: str) -> list[int]:
-    messages = [{"role": "user", "content": f"{context}\n\n{QUESTION}"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def run(args: argparse.Namespace) -> int:
-    from lmcompact.vllm import offline
-    from lmcompact.vllm.preflight import check_extra_config
+    from connectors.vllm import offline
+    from connectors.vllm.config import ConnectorConfig
 
     extra = {
         "policy": args.policy,
@@ -85,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "store": {"chunk_size": args.chunk_size, "tiers": ["cpu"]},
     }
     try:  # bad options fail here, before the model and vLLM load
-        check_extra_config("LMCompactConnector", extra)
+        ConnectorConfig.from_extra(extra)
     except ValueError as exc:
         print(f"lmcompact demo: {exc}", file=sys.stderr)
         return 2

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compact-on",
         default="save,load,inplace",
         help="--engine vllm: comma-separated modes: save (stored compacted by a first "
-        "request), load (stored whole, packed at load), inplace (no store)",
+        "request), load (stored whole, packed at load), both (stored compacted at "
+        "--store-budget, packed again at load), inplace (no store)",
     )
     parser.add_argument(
         "--no-reconstruct",
@@ -64,6 +65,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="--engine vllm: the store's chunk in tokens (the connector's chunk_size; a "
         "context needs at least two chunks)",
+    )
+    parser.add_argument(
+        "--client-scores",
+        action="store_true",
+        help="--engine vllm, save mode: store self_info contexts with scores a first "
+        "prompt_logprobs request computes (store.token_scores 'client'); default: the engine "
+        "scores the storing request's prompt itself",
+    )
+    parser.add_argument(
+        "--store-budget",
+        type=float,
+        default=0.5,
+        help="--engine vllm, both mode: the stored kept fraction (store.budget); the load "
+        "packs it to each --budgets value below it",
+    )
+    parser.add_argument(
+        "--store-policy",
+        default=None,
+        help="--engine vllm, both mode: the store's policy (store.policy; default: the "
+        "connector's, self_info)",
     )
     parser.add_argument(
         "--per-head-slack",
@@ -192,6 +213,9 @@ def run_vllm(args: argparse.Namespace) -> int:
             policy_params=args.policy_params,
             chunk_size=args.chunk_size,
             per_head_slack=args.per_head_slack,
+            store_budget=args.store_budget,
+            client_scores=args.client_scores,
+            store_policy=args.store_policy,
             text="licenses" if args.haystack == "licenses" else "pydoc",
         )
     except ValueError as error:
@@ -233,10 +257,10 @@ def run_hf(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from lmcompact.cli._output import write_json
     from lmcompact.eval import report
     from lmcompact.eval.policies import resolve_policy_names
     from lmcompact.eval.runner import EvalConfig, ModelRunner, build_samples, load_model, run_sample
+    from lmcompact.results import write_json
 
     try:
         config = EvalConfig(
@@ -305,7 +329,7 @@ def _publish(
     """Print the table; write the JSON, and the table and plots beside it (or in --out-dir)."""
     from pathlib import Path
 
-    from lmcompact.cli._output import write_json
+    from lmcompact.results import write_json
 
     print(table)
     if args.json is not None:

@@ -45,7 +45,7 @@ def _format_params(params: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmcompact.cli._output import format_table
+    from lmcompact.results import format_table
 
     rows = describe_all()
     if args.json:

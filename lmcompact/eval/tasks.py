@@ -314,7 +314,7 @@ class StoredContext:
     """
 
     context_ids: list[int]
-    needles: tuple[Fact, ...]
+    needles: tuple[Fact | Needle, ...]
     question_ids: tuple[list[int], ...]
 
     def prompt(self, index: int) -> list[int]:
@@ -323,31 +323,39 @@ class StoredContext:
 
 
 def build_stored_context(
-    tokenizer: Any, context: int, seed: int, depths: Sequence[float], text: str
+    tokenizer: Any,
+    context: int,
+    seed: int,
+    depths: Sequence[float],
+    text: str,
+    needles: Sequence[Fact | Needle] | None = None,
 ) -> StoredContext:
     """``context`` tokens of natural text hiding one :class:`Fact` per depth.
 
     Each fact ("The combination of Anna's safe is NNNNN. Remember it. NNNNN is the
     combination of Anna's safe.") is cut into the tokenized ``text`` at its depth; the
     questions ask for each in turn ("What is the combination of Anna's safe? The
-    combination of Anna's safe is"), plain text, no chat template. With SmolLM2-135M the
-    full cache found 8/9 such facts at 2k tokens (3 contexts x 3 depths); with the
-    ``Needle`` sentences, which differ only in a color, it found 5/9, mostly answering
-    with the last needle's number.
+    combination of Anna's safe is"), plain text, no chat template. Facts rather than
+    :class:`Needle` sentences, which differ only in a color: a small model answers the
+    doors' questions with the wrong door's number far more often (the figures:
+    ``docs/eval/README.md``, ``multi_needle``).
+
+    ``needles`` hides these instead (their own depths; e.g. :func:`make_needles`'s colored
+    doors, the sentences of ``scripts/agnostic_needles.py``); None: :func:`make_facts`.
     """
-    needles = make_facts(seed, depths)
+    hidden = tuple(make_facts(seed, depths) if needles is None else needles)
 
     def encode(piece: str) -> list[int]:
         return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
 
-    needle_ids = [(n.depth, encode(f" {n.sentence} ")) for n in needles]
+    needle_ids = [(n.depth, encode(f" {n.sentence} ")) for n in hidden]
     room = context - sum(len(ids) for _, ids in needle_ids)
     source = encode(text)
     if room <= 16 or len(source) < room:
-        raise ValueError(f"context {context} cannot hold {len(needles)} needles in this text")
+        raise ValueError(f"context {context} cannot hold {len(hidden)} needles in this text")
     ids = insert_needles(source[:room], needle_ids)
-    questions = tuple(encode(f"\n\n{n.question} {n.answer_prefix}") for n in needles)
-    return StoredContext(context_ids=ids, needles=needles, question_ids=questions)
+    questions = tuple(encode(f"\n\n{n.question} {n.answer_prefix}") for n in hidden)
+    return StoredContext(context_ids=ids, needles=hidden, question_ids=questions)
 
 
 _NUMBER = re.compile(r"\d[\d,]*")

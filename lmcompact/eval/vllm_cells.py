@@ -16,7 +16,7 @@ from lmcompact.eval import tasks
 from lmcompact.eval.text import haystack_text
 
 TASKS = ("multi_needle", "needle")
-MODES = ("save", "load", "inplace")
+MODES = ("save", "load", "both", "inplace")
 BASELINE = "none"
 """``compact_on`` of the full-cache rows (no connector)."""
 
@@ -47,6 +47,13 @@ class VllmEvalConfig:
         per_head_slack: in ``save`` mode, the connector's ``store.per_head`` slack (stored
             chunks keep per-(layer, head) counts, each at most ``slack`` x the budget's);
             None: one count per (layer, head).
+        store_budget: in ``both`` mode, the stored kept fraction (``store.budget``); cells
+            whose budget is not below it are skipped.
+        store_policy: in ``both`` mode, the store's policy (``store.policy``); None: the
+            connector's default.
+        client_scores: store ``self_info`` contexts with scores the client computes and
+            sends (``store.token_scores`` "client", a ``prompt_logprobs`` request first);
+            False: the engine scores them during the storing request's own prefill.
     """
 
     models: list[str] = field(default_factory=lambda: ["smollm2"])
@@ -65,6 +72,9 @@ class VllmEvalConfig:
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     per_head_slack: float | None = None
     text: str = "pydoc"
+    store_budget: float = 0.5
+    store_policy: str | None = None
+    client_scores: bool = False
 
     def __post_init__(self) -> None:
         if self.text not in ("pydoc", "licenses"):
@@ -132,24 +142,36 @@ def connector_extra(
 ) -> dict[str, Any]:
     """``kv_connector_extra_config`` of one cell (saves inline, so a question always finds
     what the first request stored)."""
+    store: dict[str, Any] = {
+        "chunk_size": config.chunk_size,
+        "async_save": False,
+        "model_id": namespace,
+    }
+    store["token_scores"] = "client" if config.client_scores else "engine"
     extra: dict[str, Any] = {
         "policy": policy,
         "budget": budget,
-        "chunk_size": config.chunk_size,
         "window": config.window,
-        "async_save": False,
-        "model_id": namespace,
+        "store": store,
     }
     if config.policy_params.get(policy):
         extra["policy_params"] = dict(config.policy_params[policy])
     if mode == "save":
-        extra.update(compact_on="save", memory={"prefill": "off"})
+        store["compact_on"] = "save"
+        extra["release"] = {"prefill": "off"}
         if config.per_head_slack is not None:
-            extra["per_head"] = {"slack": config.per_head_slack}
+            store["per_head"] = {"slack": config.per_head_slack}
+    elif mode == "both":
+        store.update(compact_on="both", budget=config.store_budget)
+        if config.store_policy is not None:
+            store["policy"] = config.store_policy
+        extra["release"] = {"prefill": "pack"}
     elif mode == "load":
-        extra.update(compact_on="load", memory={"prefill": "pack"})
+        store["compact_on"] = "load"
+        extra["release"] = {"prefill": "pack"}
     elif mode == "inplace":
-        extra.update(save=False, load=False, memory={"prefill": "pack"})
+        store.update(save=False, load=False)
+        extra["release"] = {"prefill": "pack"}
     else:
         raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     return extra
@@ -174,7 +196,7 @@ def uses_surprisal(mode: str, policy: str, config: VllmEvalConfig) -> bool:
     from lmcompact.policies import make_policy
 
     made = make_policy(policy, budget=0.5, **config.policy_params.get(policy, {}))
-    return made.scores_given
+    return made.scores_given and config.client_scores
 
 
 def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: str = "save") -> str:
@@ -184,6 +206,8 @@ def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: s
     chunk sizes must not merge as one cell), and ``/per_head S`` for save rows with
     ``store.per_head``."""
     label = policy + ("+reconstruct" if reconstruct else "")
+    if config.client_scores and uses_surprisal(mode, policy, config):
+        label += "+client_scores"
     params = config.policy_params.get(policy)
     if params:
         label += "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
@@ -191,6 +215,8 @@ def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: s
         label += f"@chunk{config.chunk_size}"
     if config.per_head_slack is not None and mode == "save":
         label += f"/per_head{config.per_head_slack:g}"
+    if mode == "both":
+        label += f"<-{config.store_policy or 'self_info'}@{config.store_budget:g}"
     return label
 
 
@@ -200,6 +226,8 @@ def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
     for mode in config.modes:
         for policy in config.policies:
             for budget in config.budgets:
+                if mode == "both" and budget >= config.store_budget:
+                    continue  # the store must keep more than the final budget
                 yield mode, policy, budget
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from lmcompact.eval.tables import fmt, group_by, table_head
 
 KEY = ("engine", "model", "task", "context", "compact_on", "policy", "budget")
-MODE_ORDER = {"none": 0, "save": 1, "load": 2, "inplace": 3}
+MODE_ORDER = {"none": 0, "save": 1, "load": 2, "both": 3, "inplace": 4}
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,7 +59,7 @@ def _honest(row: dict[str, Any]) -> bool:
         return True  # kvpress rows: no store, nothing to check
     if row.get("hit_chunks", 0) != row.get("expected_hit_chunks", 0):
         return False
-    if mode in ("load", "inplace"):
+    if mode in ("load", "both", "inplace"):
         return row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
     if mode == "save":
         return row.get("holes_adopted", 0) == 1

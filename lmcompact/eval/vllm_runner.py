@@ -1,7 +1,7 @@
 """Quality through the real vLLM connector (``lmcompact eval --engine vllm``).
 
 Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32) with
-``LMCompactMemoryConnector``, in one of three modes (the ``compact_on`` column of a row):
+``LMCompactConnector``, in one of three modes (the ``compact_on`` column of a row):
 
 ``save``
     A first request holding the context alone computes it and stores it compacted (the
@@ -9,13 +9,13 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     question request (context + question) then loads the compacted prefix from the store
     and computes only its question. For a policy that reads context scores (``kvzip``) the
     first request is KVzip's reconstruction pass instead (``context + repeat prompt +
-    context``, :func:`lmcompact.vllm.reconstruct.store_context`; rows say
+    context``, :func:`connectors.vllm.reconstruct.store_context`; rows say
     ``store_request: "reconstruct"``): only the first copy's chunks are stored, compacted
     with the repeat's attention (``reconstruct=False`` stores the context alone, scored by
     its own sampled queries). For a policy that scores with given per-token scores
     (``self_info``) the context runs twice: once for its ``prompt_logprobs`` (not
     stored), then stored with their surprisal as ``token_scores``
-    (:func:`lmcompact.vllm.reconstruct.store_surprisal_context`; ``store_request:
+    (:func:`connectors.vllm.reconstruct.store_surprisal_context`; ``store_request:
     "surprisal"``).
 ``load``
     The first request stores the context whole (``"compact_on": "load"``); every question
@@ -80,7 +80,7 @@ __all__ = [
     "uses_surprisal",
 ]
 
-CONNECTOR = "LMCompactMemoryConnector"
+CONNECTOR = "LMCompactConnector"
 SURPRISAL_STEP = 1024
 """Prefill step (``max_num_batched_tokens``) of cells whose contexts are stored with their
 ``prompt_logprobs`` (``self_info``): bounds the logprobs' ``step x vocab`` floats."""
@@ -111,13 +111,13 @@ def run_cell(
     worker's time scoring its repeat; ``max_len`` caps the reconstruction prompt (the
     model's positions: a longer one repeats only the context's beginning).
     """
-    from lmcompact.vllm import offline
-    from lmcompact.vllm.reconstruct import REPEAT_PROMPT, store_context, store_surprisal_context
+    from connectors.vllm import offline
+    from connectors.vllm.reconstruct import REPEAT_PROMPT, store_context, store_surprisal_context
 
     repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
     rows: list[dict[str, Any]] = []
-    stored_modes = ("save", "load")
+    stored_modes = ("save", "load", "both")
     for case in cases:
         warm_s = None
         recon_s = None
@@ -193,7 +193,7 @@ def model_positions(folder: str) -> int:
 def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[dict[str, Any]]:
     """Every (model, context, cell); rows carry ``engine, model, policy, budget,
     compact_on`` and the cell's wall time ``cell_s`` besides :func:`run_cell`'s fields."""
-    from lmcompact.vllm import offline
+    from connectors.vllm import offline
 
     offline.in_process_env(kv_cache_gib=1)
     from transformers import AutoTokenizer

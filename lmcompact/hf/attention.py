@@ -5,14 +5,16 @@ its ``AttentionInterface``. lmcompact registers one function there; a model uses
 it after :func:`enable_lmcompact_attention` (or ``from_pretrained(...,
 attn_implementation="lmcompact")`` once :func:`register_attention` ran).
 
-How the function finds the cache without globals: the cache layer's
-``update()`` returns its key tensor *tagged* with the layer object (a Python
-attribute on a fresh view, see :data:`TAG`). The model's attention module passes
-that tensor straight to the attention function, which hands the call to the
-layer (prefill: SDPA over the full prompt plus window capture; after compaction:
-ragged per-head attention). Untagged keys (a plain ``DynamicCache`` or no cache)
-get ordinary causal SDPA, so a model switched to ``"lmcompact"`` still works
-with any other cache.
+How the function finds the cache without globals: the cache's ``update()``
+returns its key tensor *tagged* with what attends for that layer (a Python
+attribute on a fresh view, see :data:`TAG`): the layer itself
+(:class:`~lmcompact.hf.paged.PagedCache`), or the cache's attention for the layer
+(:class:`~lmcompact.hf.cache.CompactingCache`, which observes the prefill and
+compacts after the last layer). The model's attention module passes that tensor
+straight to the attention function, which hands the call over (prefill: SDPA over
+the full prompt; after compaction: ragged or paged per-head attention). Untagged
+keys (a plain ``DynamicCache`` or no cache) get ordinary causal SDPA, so a model
+switched to ``"lmcompact"`` still works with any other cache.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TAG = "_lmcompact_layer"
 
 
 class AttendingLayer(Protocol):
-    """What a tagged key tensor points at (the cache layer)."""
+    """What a tagged key tensor points at (a cache layer, or a cache's attention for one)."""
 
     def attend(
         self,
@@ -47,7 +49,7 @@ class AttendingLayer(Protocol):
 
 
 def tag(tensor: torch.Tensor, layer: AttendingLayer) -> torch.Tensor:
-    """A view of ``tensor`` carrying a reference to ``layer`` for the attention function."""
+    """A view of ``tensor`` carrying ``layer`` (what attends) for the attention function."""
     view = tensor.view_as(tensor)
     setattr(view, TAG, layer)
     return view

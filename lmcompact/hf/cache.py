@@ -8,16 +8,18 @@ Usage (Llama-family models; batches without padding)::
     out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
     cache.nbytes(), cache.full_nbytes()   # bytes held vs. a full cache
 
-Life of one layer::
+Life of one layer (the cache drives; its layers never call it)::
 
-    prefill forward  update(): keep dense K/V (B, H, T, D)
-                     attend(): causal SDPA over the prompt; capture the window
-                               queries -> window / cumulative scores
+    prefill forward  update(): the layer keeps dense K/V (B, H, T, D); the keys go back
+                               tagged with the cache's attention for that layer
+                     attend(): the layer's causal SDPA over the prompt; the cache
+                               observes the queries -> window / cumulative / context
+                               scores (lmcompact.compaction.policy_inputs)
     last layer done  compact(): policy.plan() per sequence -> RaggedLayer per layer
                                (dense K/V dropped: the bytes are really gone)
     decode forward   update(): append new K/V to every (sequence, head) segment
-                     attend(): ragged reference attention (per-head lengths),
-                               key mass -> decode-time scores
+                     attend(): the layer's ragged reference attention (per-head
+                               lengths), key mass -> decode-time scores
     after last layer decode-time policies re-plan a layer whose longest head grew
                      past its post-prefill size + ``decode_slack``
 
@@ -32,13 +34,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from lmcompact.hf.attention import ATTN_IMPLEMENTATION
-from lmcompact.hf.cache_plans import plan_prefill, replan_layer, tail_window
+from lmcompact.compaction.policy_inputs import (
+    joined_positions,
+    prompt_observations,
+    window_positions,
+)
+from lmcompact.hf.attention import ATTN_IMPLEMENTATION, tag
+from lmcompact.hf.cache_plans import prefill_plans, replan_layer, tail_window
 from lmcompact.hf.compacting_layer import CompactingLayer
 from lmcompact.hf.observe import TokenClassifier, flat_scores_for, rope_from_model
 from lmcompact.layout.ragged import ragged_from_dense
@@ -124,7 +132,7 @@ class CompactingCache(Cache):
                 f"policy {policy.name!r} reads per-token scores that the integration supplies "
                 "(context_scores), not ones attention can compute here; the transformers "
                 "cache has no source for them. Use it on vLLM's save path "
-                "(lmcompact.vllm.reconstruct.store_surprisal_context for self_info)"
+                "(connectors.vllm.reconstruct.store_surprisal_context for self_info)"
             )
         rotates = self.needs & (Need.WINDOW_QUERIES | Need.CONTEXT_SCORES)
         self.rope = rope_from_model(model) if rotates else None
@@ -139,6 +147,8 @@ class CompactingCache(Cache):
             self._hook = model.get_input_embeddings().register_forward_pre_hook(self._capture_ids)
         self.plans: list[KeepPlan] | None = None
         self.decode_targets: list[int] | None = None
+        self.query_positions: torch.Tensor | None = None
+        """``(W,)`` prompt positions of the recorded window queries (``WINDOW_QUERIES``)."""
         self.stats: dict[str, float] = {
             "observe_s": 0.0,
             "observe_window_s": 0.0,
@@ -148,8 +158,13 @@ class CompactingCache(Cache):
             "decode_compact_s": 0.0,
             "decode_compactions": 0.0,
         }
-        layers: list[Any] = [CompactingLayer(self, i) for i in range(self.num_layers)]
+        accumulate = Need.CUMULATIVE_SCORES in self.needs
+        layers: list[Any] = [
+            CompactingLayer(i, key_mass=self.wants_decode_mass, accumulate=accumulate)
+            for i in range(self.num_layers)
+        ]
         super().__init__(layers=layers)
+        self._attention = [_LayerAttention(self, i) for i in range(self.num_layers)]
 
     @classmethod
     def recorder(
@@ -225,13 +240,14 @@ class CompactingCache(Cache):
             new._hook.remove()
             new._hook = None
         new._prompt_ids = self._prompt_ids
+        new.query_positions = self.query_positions
         for mine, theirs in zip(self._layers(), new._layers(), strict=True):
             theirs.dtype, theirs.device = mine.dtype, mine.device
             theirs.is_initialized = True
             theirs.keys, theirs.values = mine.keys, mine.values
-            theirs.observation = mine.observation
-            if reads_window and shorter and mine.observation is not None:
-                theirs.observation = tail_window(mine.observation, new.window_size)
+            theirs.observations = mine.observations
+            if reads_window and shorter and mine.observations is not None:
+                theirs.observations = tail_window(mine.observations, new.window_size)
             theirs.seen = mine.seen
         observe = 0.0
         if reads_window:
@@ -259,6 +275,81 @@ class CompactingCache(Cache):
 
     def _layers(self) -> list[CompactingLayer]:
         return [layer for layer in self.layers if isinstance(layer, CompactingLayer)]
+
+    def _token_masks(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per sequence, the prompt's special and punctuation masks (token classes)."""
+        if self.classifier is None:
+            return None
+        ids = self._prompt_ids
+        if ids is None or ids.shape[-1] != length:
+            raise ValueError("token classes need input_ids (not inputs_embeds) in the prompt")
+        return [self.classifier.masks(row) for row in ids]
+
+    # ------------------------------------------------------------- forward
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer stores the new K/V; the keys go back tagged with this cache's
+        attention for the layer (:mod:`lmcompact.hf.attention`)."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return tag(keys, self._attention[layer_idx]), values
+
+    def attend(
+        self,
+        layer_idx: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Layer ``layer_idx``'s attention ``(B, S, Hq, D)`` for this forward.
+
+        Prefill: the layer's SDPA, then this cache observes what its policy reads; after
+        the last layer it compacts (``auto_compact``). Decode: the layer's ragged
+        attention; after the last layer decode-time policies re-plan."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, CompactingLayer)
+        prefill = layer.ragged is None
+        out = layer.attend(module, query, key, value, scaling, **kwargs)
+        last = layer_idx == self.num_layers - 1
+        if prefill:
+            self.observe(layer, query, key, scaling)
+            if last and self.auto_compact:
+                self.compact()
+        elif last:
+            self.after_decode_step()
+        return out
+
+    def observe(
+        self, layer: CompactingLayer, query: torch.Tensor, key: torch.Tensor, scaling: float
+    ) -> None:
+        """Record what the policy reads from one layer's prefill queries and keys."""
+        length = key.shape[2]
+        context = self.context_positions(length)
+        # adds observe_s and its window / cumulative parts (forks bill only their own)
+        layer.observations = prompt_observations(
+            self.needs,
+            query,
+            key,
+            window=self.window_size,
+            scale=scaling,
+            context_positions=context,
+            context_shift=self.context_sampler.context_shift(length),
+            rope=self.rope,
+            timings=self.stats,
+        )
+        if Need.WINDOW_QUERIES in self.needs:
+            self.query_positions = joined_positions(
+                window_positions(length, self.window_size), context
+            )
+        self.attention_scale = scaling
 
     @property
     def is_compacted(self) -> bool:
@@ -295,18 +386,28 @@ class CompactingCache(Cache):
         layers = self._layers()
         first = layers[0]
         assert first.keys is not None
-        batch, _, length, _ = first.keys.shape
-        plans = [plan_prefill(self, b, length) for b in range(batch)]
+        length = first.keys.shape[2]
+        plans = prefill_plans(
+            self.policy,
+            self.needs,
+            layers,
+            window_size=self.window_size,
+            query_positions=self.query_positions,
+            token_masks=self._token_masks(length),
+            rope=self.rope,
+            attention_scale=self.attention_scale,
+        )
         for index, layer in enumerate(layers):
             assert layer.keys is not None and layer.values is not None
             kept = [plan.kept[index] for plan in plans]
             ragged = ragged_from_dense(layer.keys, layer.values, kept)
-            obs = layer.observation
-            if obs is not None and obs.cumulative_scores is not None:
-                ragged.scores = flat_scores_for(obs.cumulative_scores, kept)
+            observed = layer.observations or []
+            cumulative = [o.cumulative_scores for o in observed if o.cumulative_scores is not None]
+            if observed and len(cumulative) == len(observed):
+                ragged.scores = flat_scores_for(torch.stack(cumulative), kept)
             layer.ragged = ragged
             layer.keys = layer.values = None
-            layer.observation = None
+            layer.observations = None
         self.plans = plans
         everything = all(p.total_kept == p.total_slots for p in plans)
         if self.decode_compaction and not everything:
@@ -332,9 +433,25 @@ class CompactingCache(Cache):
         for layer, target in zip(self._layers(), self.decode_targets, strict=True):
             assert layer.ragged is not None
             if int(layer.ragged.lengths().max()) > target + self.decode_slack:
-                layer.ragged = replan_layer(self, layer.ragged, layer.last_mass, target)
+                layer.ragged = replan_layer(
+                    self.policy, self.needs, layer.ragged, layer.last_mass, target
+                )
                 replanned = True
             layer.last_mass = None
         if replanned:
             self.stats["decode_compactions"] += 1
             self.stats["decode_compact_s"] += time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class _LayerAttention:
+    """What a key tensor from :meth:`CompactingCache.update` is tagged with: the cache's
+    attention for one layer (the attention function calls :meth:`attend`)."""
+
+    cache: CompactingCache
+    layer_idx: int
+
+    def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """:meth:`CompactingCache.attend` of this layer (``module, query, key, value,
+        scaling``, as :class:`~lmcompact.hf.attention.AttendingLayer` takes them)."""
+        return self.cache.attend(self.layer_idx, *args, **kwargs)

@@ -1,144 +1,147 @@
 """KeepPlans of :class:`~lmcompact.hf.cache.CompactingCache`: what its policy is given.
 
-:func:`plan_prefill` builds the :class:`CompactionInputs` of one sequence at the end of
-the prefill (per-layer K/V and observations, token classes, RoPE); :func:`replan_layer`
-re-plans one layer during decode from the ragged K/V and the key mass of the last step;
-:func:`tail_window` cuts a recorded observation window to a shorter one (a fork).
+:func:`prefill_plans` plans every sequence at the end of the prefill from its layers'
+dense K/V and observations (:func:`lmcompact.compaction.policy_inputs.layer_observation`);
+:func:`replan_layer` re-plans one layer during decode from the ragged K/V and the key mass
+of the last step; :func:`tail_window` cuts recorded observations to a shorter window (a
+fork). The cache calls these with what they need; nothing here knows the cache.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from lmcompact.hf.observe import PrefillObservation, pad_flat
+from lmcompact.attention.rope import Rope
+from lmcompact.compaction.policy_inputs import compaction_inputs, layer_observation
+from lmcompact.hf.compacting_layer import CompactingLayer
+from lmcompact.hf.observe import pad_flat
 from lmcompact.layout.ragged import RaggedLayer
 from lmcompact.plan import KeepPlan
-from lmcompact.policies.base import CompactionInputs, LayerObservation, Need
-
-if TYPE_CHECKING:
-    from lmcompact.hf.cache import CompactingCache
+from lmcompact.policies import CompactionPolicy, LayerObservation, Need
 
 
-def plan_prefill(cache: CompactingCache, b: int, length: int) -> KeepPlan:
-    """Sequence ``b``'s KeepPlan from the recorded prefill (dense K/V ``(B, H, T, D)``
-    and each layer's observation), validated for the model's layers and heads."""
-    observations = []
-    query_positions = None
-    for layer in cache._layers():
-        assert layer.keys is not None and layer.values is not None
-        obs = layer.observation or PrefillObservation()
-        observations.append(
-            LayerObservation(
-                keys=layer.keys[b] if Need.KEYS in cache.needs else None,
-                values=layer.values[b] if Need.KEYS in cache.needs else None,
-                window_scores=None if obs.window_scores is None else obs.window_scores[b],
-                window_attention=(
-                    None if obs.window_attention is None else obs.window_attention[b]
-                ),
-                cumulative_scores=(
-                    None if obs.cumulative_scores is None else obs.cumulative_scores[b]
-                ),
-                context_scores=None if obs.context_scores is None else obs.context_scores[b],
-                window_queries=None if obs.window_queries is None else obs.window_queries[b],
+def prefill_plans(
+    policy: CompactionPolicy,
+    needs: Need,
+    layers: Sequence[CompactingLayer],
+    *,
+    window_size: int,
+    query_positions: torch.Tensor | None = None,
+    token_masks: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    rope: Rope | None = None,
+    attention_scale: float | None = None,
+) -> list[KeepPlan]:
+    """One KeepPlan per sequence from the recorded prefill (dense K/V ``(B, H, T, D)``
+    and each layer's observations), validated for the model's layers and heads.
+
+    Args:
+        policy: The policy that plans; ``needs`` what it reads (the cache's needs).
+        layers: The cache's layers, holding the prefill.
+        window_size: The policy's observation window.
+        query_positions: ``(W,)`` positions of the recorded window queries.
+        token_masks: Per sequence, its special and punctuation masks.
+        rope, attention_scale: The model's, as far as known.
+    """
+    first = layers[0]
+    assert first.keys is not None
+    batch, heads, length, _ = first.keys.shape
+    wanted = None
+    if Need.WINDOW_QUERIES in needs:
+        wanted = _policy_queries(policy, query_positions, window_size, length)
+    plans = []
+    for b in range(batch):
+        observations = []
+        for layer in layers:
+            assert layer.keys is not None and layer.values is not None
+            recorded = layer.observations[b] if layer.observations else None
+            if recorded is not None and wanted is not None and recorded.window_queries is not None:
+                recorded = replace(
+                    recorded,
+                    window_queries=recorded.window_queries[
+                        :, wanted.to(recorded.window_queries.device)
+                    ],
+                )
+            observations.append(
+                layer_observation(needs, layer.keys[b], layer.values[b], observed=recorded)
             )
+        inputs = compaction_inputs(
+            needs,
+            observations,
+            length,
+            heads,
+            token_masks=None if token_masks is None else token_masks[b],
+            query_positions=(
+                query_positions
+                if wanted is None or query_positions is None
+                else query_positions[wanted]
+            ),
+            rope=rope,
+            attention_scale=attention_scale,
         )
-        if obs.window_queries is not None:
-            query_positions = obs.query_positions
-            if query_positions is None:
-                query_positions = torch.arange(length - obs.window_queries.shape[2], length)
-    observations, query_positions = _policy_queries(cache, observations, query_positions, length)
-    special = punct = None
-    if cache.classifier is not None:
-        if cache._prompt_ids is None or cache._prompt_ids.shape[-1] != length:
-            raise ValueError("token classes need input_ids (not inputs_embeds) in the prompt")
-        special, punct = cache.classifier.masks(cache._prompt_ids[b])
-    inputs = CompactionInputs(
-        num_candidates=length,
-        num_kv_heads=cache.num_kv_heads,
-        layers=observations,
-        special_mask=special,
-        punctuation_mask=punct,
-        query_positions=query_positions,
-        rope=cache.rope,
-        attention_scale=cache.attention_scale,
-    )
-    plan = cache.policy.plan(inputs)
-    plan.validate_for(cache.num_layers, cache.num_kv_heads, length)
-    return plan
+        plan = policy.plan(inputs)
+        plan.validate_for(len(layers), heads, length)
+        plans.append(plan)
+    return plans
 
 
 def _policy_queries(
-    cache: CompactingCache,
-    observations: list[LayerObservation],
-    positions: torch.Tensor | None,
-    length: int,
-) -> tuple[list[LayerObservation], torch.Tensor | None]:
-    """The recorded window queries cut to what this cache's policy reads: the last
-    ``window_size`` positions and the policy's ``context_queries`` (a fork's recording
-    may hold more)."""
+    policy: CompactionPolicy, positions: torch.Tensor | None, window_size: int, length: int
+) -> torch.Tensor | None:
+    """Which recorded window queries the policy reads: the last ``window_size`` positions
+    and its ``context_queries`` (a fork's recording may hold more); None: all of them."""
     if positions is None:
-        return observations, None
-    wanted = positions >= length - cache.window_size
-    sampled = cache.policy.context_queries(length)
+        return None
+    wanted = positions >= length - window_size
+    sampled = policy.context_queries(length)
     if sampled is not None:
         wanted |= torch.isin(positions, sampled)
-    if bool(wanted.all()):
-        return observations, positions
-    for obs in observations:
-        if obs.window_queries is not None:
-            obs.window_queries = obs.window_queries[:, wanted.to(obs.window_queries.device)]
-    return observations, positions[wanted]
+    return None if bool(wanted.all()) else wanted
 
 
 def replan_layer(
-    cache: CompactingCache, ragged: RaggedLayer, mass: torch.Tensor | None, target: int
+    policy: CompactionPolicy,
+    needs: Need,
+    ragged: RaggedLayer,
+    mass: torch.Tensor | None,
+    target: int,
 ) -> RaggedLayer:
     """One layer re-planned during decode: every head of every sequence back to ``target``
     tokens, scored from the last step's key ``mass`` (flat, as the ragged attention gives
-    it) and the accumulated scores."""
+    it; a window of one query) and the accumulated scores."""
     keys, values, positions, valid = ragged.padded()
     padded_mass = None if mass is None else pad_flat(ragged, mass)
     padded_scores = None if ragged.scores is None else pad_flat(ragged, ragged.scores)
     keep: list[torch.Tensor] = []
     for b in range(ragged.batch_size):
         window = None if padded_mass is None else padded_mass[b]
-        obs = LayerObservation(
-            keys=keys[b] if Need.KEYS in cache.needs else None,
-            values=values[b] if Need.KEYS in cache.needs else None,
-            window_scores=window if Need.WINDOW_SCORES in cache.needs else None,
-            window_attention=(
-                window[:, None, :]
-                if window is not None and Need.WINDOW_ATTENTION in cache.needs
-                else None
-            ),
-            cumulative_scores=padded_scores[b] if padded_scores is not None else None,
+        observed = LayerObservation(
+            window_scores=window,
+            window_attention=None if window is None else window[:, None, :],
+            cumulative_scores=None if padded_scores is None else padded_scores[b],
         )
-        inputs = CompactionInputs(
-            num_candidates=keys.shape[2],
-            num_kv_heads=cache.num_kv_heads,
-            layers=[obs],
+        inputs = compaction_inputs(
+            needs,
+            [layer_observation(needs, keys[b], values[b], observed=observed)],
+            keys.shape[2],
+            keys.shape[1],
             positions=positions[b].clamp(min=0),
             valid=valid[b],
             budget_tokens=target,
         )
-        plan = cache.policy.plan(inputs)
+        plan = policy.plan(inputs)
         keep.extend(plan.kept[0])
     return ragged.gather(keep)
 
 
-def tail_window(obs: PrefillObservation, window: int) -> PrefillObservation:
-    """The observation of the last ``window`` queries of a recorded longer window (the
-    window queries stay whole, with their positions: :func:`plan_prefill` cuts them to
-    what the fork's policy reads)."""
-    assert obs.window_attention is not None
-    rows = obs.window_attention[:, :, -window:]
-    return PrefillObservation(
-        window_scores=rows.sum(dim=2),
-        window_attention=rows,
-        cumulative_scores=obs.cumulative_scores,
-        context_scores=obs.context_scores,
-        window_queries=obs.window_queries,
-        query_positions=obs.query_positions,
-    )
+def tail_window(observations: list[LayerObservation], window: int) -> list[LayerObservation]:
+    """The observations of the last ``window`` queries of a recorded longer window (the
+    window queries stay whole: :func:`prefill_plans` cuts them to what the policy reads)."""
+    out = []
+    for obs in observations:
+        assert obs.window_attention is not None
+        rows = obs.window_attention[:, -window:]
+        out.append(replace(obs, window_scores=rows.sum(dim=1), window_attention=rows))
+    return out

@@ -1,42 +1,55 @@
 """One model layer of :class:`~lmcompact.hf.cache.CompactingCache`.
 
 Dense K/V ``(B, H, T, D)`` during the prefill, a :class:`RaggedLayer` (per-head lengths)
-after the cache compacts; :meth:`CompactingLayer.attend` is the attention the
-``"lmcompact"`` attention function calls for this layer (SDPA plus the observation
-during the prefill, the ragged reference attention during decode).
+after the cache compacts. :meth:`CompactingLayer.attend` is this layer's attention (SDPA
+during the prefill, the ragged reference attention during decode). As with transformers'
+own layers, a layer knows nothing of its cache: the cache calls :meth:`update` and
+:meth:`attend`, records what the policy reads (:attr:`observations`) and decides when
+to compact.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from lmcompact.attention.reference import ragged_attention
-from lmcompact.hf.attention import causal_sdpa, tag
-from lmcompact.hf.observe import PrefillObservation, observe_prefill
+from lmcompact.hf.attention import causal_sdpa
 from lmcompact.layout.ragged import RaggedLayer
-from lmcompact.policies.base import Need
-
-if TYPE_CHECKING:
-    from lmcompact.hf.cache import CompactingCache
+from lmcompact.policies import LayerObservation
 
 
 class CompactingLayer(CacheLayerMixin):
-    """One model layer's KV: dense during prefill, ragged per head afterwards."""
+    """One model layer's KV: dense during prefill, ragged per head afterwards.
+
+    Args:
+        layer_idx: The model layer.
+        key_mass: Decode attention also returns the mass each kept key got
+            (:attr:`last_mass`; decode-time policies re-plan from it).
+        accumulate: The key mass of every decode step adds to the ragged scores (H2O).
+
+    Attributes:
+        seen: Tokens this layer has seen (kept or not): the next token's position.
+        ragged: The compacted K/V, None before compaction.
+        observations: One per row: what the prefill forward observed for the policy
+            (set by the cache; None before the prefill and after compaction).
+        last_mass: ``(N,)`` ragged-ordered key mass of the last decode step, or None.
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, owner: CompactingCache, layer_idx: int) -> None:
+    def __init__(self, layer_idx: int, *, key_mass: bool = False, accumulate: bool = False) -> None:
         super().__init__()
-        self.owner = owner
         self.layer_idx = layer_idx
+        self.key_mass = key_mass
+        self.accumulate = accumulate
         self.seen = 0
         self.ragged: RaggedLayer | None = None
-        self.observation: PrefillObservation | None = None
+        self.observations: list[LayerObservation] | None = None
         self.query_positions: torch.Tensor | None = None
         self.last_mass: torch.Tensor | None = None
 
@@ -48,7 +61,7 @@ class CompactingLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new K/V ``(B, H, S, D)``; returns them tagged for the attention function."""
+        """Store new K/V ``(B, H, S, D)``; returns them (the new tokens only)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, _, s, _ = key_states.shape
@@ -64,7 +77,7 @@ class CompactingLayer(CacheLayerMixin):
         else:
             self.ragged = self.ragged.append(key_states, value_states, self.query_positions)
         self.seen += s
-        return tag(key_states, self), value_states
+        return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -78,7 +91,7 @@ class CompactingLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = None
         self.ragged = None
-        self.observation = None
+        self.observations = None
         self.last_mass = None
         self.seen = 0
         self.is_initialized = False
@@ -106,39 +119,20 @@ class CompactingLayer(CacheLayerMixin):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Attention output ``(B, S, Hq, D)`` for this layer's current forward."""
-        owner = self.owner
         if self.ragged is None:
-            out = causal_sdpa(module, query, key, value, scaling, **kwargs)
-            # adds observe_s and its window / cumulative parts (forks bill only their own)
-            self.observation = observe_prefill(
-                query,
-                key,
-                owner.needs,
-                owner.window_size,
-                scaling,
-                timings=owner.stats,
-                context_positions=owner.context_positions(key.shape[2]),
-                context_shift=owner.context_sampler.context_shift(key.shape[2]),
-                rope=owner.rope,
-            )
-            owner.attention_scale = scaling
-            if self.layer_idx == owner.num_layers - 1 and owner.auto_compact:
-                owner.compact()
-            return out
+            return causal_sdpa(module, query, key, value, scaling, **kwargs)
         assert self.query_positions is not None
         out, mass = ragged_attention(
             query,
             self.ragged,
             self.query_positions,
             scale=scaling,
-            return_key_mass=owner.wants_decode_mass,
+            return_key_mass=self.key_mass,
         )
         if mass is not None:
             self.last_mass = mass
-            if Need.CUMULATIVE_SCORES in owner.needs:
+            if self.accumulate:
                 self.ragged.accumulate_scores(mass)
-        if self.layer_idx == owner.num_layers - 1:
-            owner.after_decode_step()
         return out.transpose(1, 2).contiguous()
 
     def nbytes(self) -> int:

@@ -21,7 +21,7 @@ Scores of sliding-window layers are computed like the others but mean little: th
 repeat queries cannot see the first copy (:attr:`Reconstruction.sliding` names them).
 
 The vLLM connector computes the same scores from the same positions of a real engine
-request (``lmcompact/vllm/reconstruct.py``).
+request (``connectors/vllm/reconstruct.py``).
 """
 
 from __future__ import annotations

@@ -72,12 +72,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _num_splits(work: int, max_visible: int, block_n: int, device: torch.device) -> int:
-    """Key splits so that about 16 programs per SM run, each with >= 4 key tiles.
-
-    On the H200 (decode, 32 requests x 8 kv heads, ~5k keys per head) about 8
-    splits ran 14% faster than 3, and 128-key tiles 7% faster than 64
-    (``lmcompact bench kernels --variants``).
-    """
+    """Key splits so that about 16 programs per SM run, each with >= 4 key tiles (the
+    split count and tile width were chosen by ``lmcompact bench kernels --variants``:
+    ``docs/benchmarks/kernels-h200.md``)."""
     want = max(1, -(-16 * _sm_count(device) // max(work, 1)))
     return max(1, min(want, -(-max_visible // (4 * block_n))))
 

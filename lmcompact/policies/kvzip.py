@@ -63,7 +63,7 @@ class KVzip(ScorePolicy):
     context are kept, whatever the future question is.
 
     Two sources of context scores. (1) The real second pass: a request marked as a
-    reconstruction pass (``lmcompact/vllm/reconstruct.py``: ``store_context`` sends
+    reconstruction pass (``connectors/vllm/reconstruct.py``: ``store_context`` sends
     ``context + REPEAT_PROMPT + context``; :mod:`lmcompact.hf.reconstruct` in
     transformers) scores the first copy's keys with the repeat's queries
     (:func:`lmcompact.attention.scores.reconstruction_scores`) and only the first copy

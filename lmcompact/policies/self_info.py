@@ -28,8 +28,8 @@ class SelfInformation(ScorePolicy):
     well. Here the KV of the context is compacted instead of its text: each token's
     score is its surprisal ``-log p(token | prefix)`` from one prefill of the context
     (the integration supplies it as ``context_scores``, the same ``(T,)`` for every
-    layer and head: vLLM's ``prompt_logprobs``, ``lmcompact/vllm/reconstruct.py``
-    :func:`~lmcompact.vllm.reconstruct.store_surprisal_context`; transformers,
+    layer and head: vLLM's ``prompt_logprobs``, ``connectors/vllm/reconstruct.py``
+    :func:`~connectors.vllm.reconstruct.store_surprisal_context`; transformers,
     :func:`lmcompact.hf.reconstruct.surprisal`). Names, numbers and other facts are
     improbable tokens; boilerplate is not. The first ``warmup`` positions' surprisal is
     scaled by ``position / warmup`` (see below). A fact is a span, so the scores are then
@@ -40,14 +40,10 @@ class SelfInformation(ScorePolicy):
 
     Why the warm-up: the first tokens of a document are improbable because the model has
     nothing to predict them from yet, not because they say something new. Ranked raw,
-    they fill the first chunk's budget and a fact in that chunk is lost (Gemma-3-270m, 2k
-    ``multi_needle``: the opening 40-60 tokens outranked the fact at depth 0.1 in 3 of 5
-    contexts, and 3 of its 15 questions were lost at budget 0.25; with ``warmup`` 64 none
-    more than the full cache's 2, ``docs/eval/RESULTS.md``). The background treats every
-    uniformly surprising stretch (code, tables) alike by ranking a span by how much it
-    stands out from its surroundings; through vLLM it fixed Gemma 2k at 0.25 too but lost
-    two questions at 0.5 on Gemma 4k and one at 0.25 on SmolLM2 4k, so it is off by
-    default.
+    they fill the first chunk's budget and a fact in that chunk is lost. The background
+    treats every uniformly surprising stretch (code, tables) alike by ranking a span by how
+    much it stands out from its surroundings; it is off by default, the warm-up on (what
+    each lost and kept: ``docs/eval/RESULTS.md``, "Defaults from more cells").
 
     Every (layer, head) gets the same scores, so all keep the same tokens: a number keeps
     all of its digits in every head.

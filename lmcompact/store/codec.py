@@ -11,11 +11,25 @@
                     values (total_kept, v_dim)
     end             payload_off + header["plen"]
 
+(the payload of a quantized value is laid out as in :mod:`lmcompact.store.quant`).
+
 Header fields: ``v`` value format version (:data:`VALUE_VERSION`), ``ns`` namespace digest
 (16 bytes), ``dt`` dtype name, ``nt`` tokens in the chunk, ``L``/``H`` layers and kv heads,
 ``dk``/``dv`` head dims, ``n`` total kept rows, ``kc`` kept counts (int32 LE bytes, ``L*H``),
 ``plen`` payload bytes, ``ck`` checksum digest. The checksum covers the payload AND the header
 fields above (in a canonical byte form), so a flipped kept count cannot pass either.
+
+Quantized values (a codec made with ``quantize="int8"`` or ``"fp8"``, see
+:mod:`lmcompact.store.quant`) carry version :data:`QUANTIZED_VALUE_VERSION` and one more
+header field, ``q`` (the quantization), which the checksum covers too; their payload is
+``positions (uint16) | key rows | value rows | key scales | value scales`` and ``dt`` stays
+the chunk's own dtype, the one :meth:`ChunkCodec.decode` dequantizes into. Unquantized
+values keep version :data:`VALUE_VERSION` and their bytes, so entries written before
+quantization existed stay readable, and a build that reads only version 2 refuses a
+quantized value as ``unsupported_version`` instead of misreading it. This build reads both;
+a version-2 header with ``q`` or a version-3 header without it is refused (``bad_header``).
+Which values a store may load is its namespace's business: the connector puts the
+quantization into the namespace, so a quantized and an unquantized engine never share a key.
 
 Zero copy: :meth:`ChunkCodec.encode` returns an :class:`EncodedValue`, the small frame head
 followed by views of the chunk's own tensors (nothing is joined); the Redis tier writes
@@ -28,7 +42,8 @@ What each hash protects (the cryptographic ones only where a collision could be 
   i.e. bit flips, truncation, a torn or mixed write, bytes of another chunk under this
   header. It does not defend against someone who can write to the store: whoever can write
   a value can write a matching digest of any unkeyed hash, so a cryptographic one here
-  would cost ~50x the time for no protection.
+  would cost time for no protection (the codec with blake2b checksums:
+  ``docs/benchmarks/store-cpu.md``).
 * chunk keys (:mod:`lmcompact.store.keys`), blake2b-256 prefix-chained over token ids: a
   collision there would serve one prompt's KV for another prompt, and prompts are chosen by
   users, who could search for collisions of a fast non-cryptographic hash; cryptographic.
@@ -63,6 +78,15 @@ from lmcompact.store.chunk import (
     packed_span,
 )
 from lmcompact.store.keys import StoreNamespace
+from lmcompact.store.quant import (
+    FLOAT_DTYPES,
+    QUANT_MODES,
+    check_quantize,
+    dequantize_payload,
+    position_bytes,
+    quantize_payload,
+    quantized_nbytes,
+)
 
 MAGIC = b"LMCK"
 MAX_HEADER_BYTES = 1 << 20
@@ -74,6 +98,10 @@ VALUE_VERSION = 2
 Independent of the key derivation's :data:`lmcompact.store.keys.FORMAT_VERSION`: a value of
 another version found under a valid key is refused, so the chunk is recomputed and
 overwritten."""
+
+QUANTIZED_VALUE_VERSION = 3
+"""Version of quantized values (header field ``q``, payload of :mod:`lmcompact.store.quant`).
+Unquantized values keep :data:`VALUE_VERSION`; this build reads both."""
 
 CHECKSUM_BYTES = 16
 _COUNTS_CACHE = 256  # distinct kept-count layouts remembered by a codec
@@ -98,14 +126,18 @@ class EncodedValue:
         parts: the frame head (magic, header length, header, padding) as bytes, then the
             payload ``positions | keys | values`` as memoryviews of the chunk's tensors:
             one view when the chunk lies packed in one buffer, else one per section (of a
-            host copy when the chunk lives on a device).
+            host copy when the chunk lives on a device). A quantized value's payload is
+            one view of its own buffer.
         nbytes: total length, ``sum(len(p) for p in parts)``.
+        quantize: the payload's quantization (``"int8"``, ``"fp8"``), None when raw.
 
-    The views alias the chunk: the chunk must not change until the value was written.
+    The views of a raw value alias the chunk: the chunk must not change until the value
+    was written. A quantized value owns its payload.
     """
 
     parts: tuple[Buffer, ...]
     nbytes: int
+    quantize: str | None = None
 
     def __len__(self) -> int:
         return self.nbytes
@@ -178,10 +210,17 @@ def _checksum(meta: bytes, parts: Sequence[Buffer]) -> bytes:
 _META = struct.Struct("<Q16s16s7Q")
 
 
+_QMETA = struct.Struct("<16s")
+
+
 def _meta(h: dict[str, Any]) -> bytes:
-    """Canonical bytes of the header fields the checksum covers (all validated before)."""
+    """Canonical bytes of the header fields the checksum covers (all validated before);
+    a quantized value's ``q`` follows the kept counts (whose length ``L``/``H`` fix)."""
     fields = (h["nt"], h["L"], h["H"], h["dk"], h["dv"], h["n"], h["plen"])
-    return _META.pack(h["v"], h["ns"], h["dt"].encode(), *fields) + h["kc"]
+    meta = _META.pack(h["v"], h["ns"], h["dt"].encode(), *fields) + h["kc"]
+    if "q" in h:
+        meta += _QMETA.pack(h["q"].encode())
+    return meta
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -200,25 +239,69 @@ class ChunkCodec:
 
     Args:
         namespace: this engine's namespace; values of any other are refused.
+        quantize: ``"int8"`` or ``"fp8"`` to encode quantized values
+            (:mod:`lmcompact.store.quant`); None (default) encodes the chunk's own bytes.
+            Decoding reads either kind whatever this is (values say what they are).
     """
 
-    def __init__(self, namespace: StoreNamespace) -> None:
+    def __init__(self, namespace: StoreNamespace, quantize: str | None = None) -> None:
         self.namespace = namespace
+        self.quantize = check_quantize(quantize)
         self._ns = namespace.digest()
         self._lock = threading.Lock()
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._unquantized = 0
         self._counts: dict[tuple[bytes, int, int, int, int], torch.Tensor] = {}
 
+    @property
+    def unquantized(self) -> int:
+        """Chunks this quantizing codec encoded unquantized (not a float dtype, or a value
+        float16 scales cannot carry; see :func:`lmcompact.store.quant.quantize_payload`)."""
+        with self._lock:
+            return self._unquantized
+
     def encode(self, chunk: CompactedChunk) -> EncodedValue:
-        """Frame ``chunk`` (any device) as one self-checking value, without copying its
-        payload (a device chunk is copied to the host once)."""
-        span = packed_span(chunk) if chunk.device.type == "cpu" else None
-        if span is not None:  # packed in one buffer (as the memory tiers hold chunks)
-            parts: tuple[memoryview, ...] = (_byte_view(span),)
-        else:
-            parts = (_byte_view(chunk.positions), _byte_view(chunk.keys), _byte_view(chunk.values))
+        """Frame ``chunk`` (any device) as one self-checking value: quantized when this
+        codec quantizes (a new buffer), else without copying its payload (a device chunk
+        is copied to the host once)."""
+        return self._encode(chunk)[0]
+
+    def encode_served(self, chunk: CompactedChunk) -> tuple[EncodedValue, CompactedChunk]:
+        """``chunk``'s value and the chunk a reader of that value gets back: ``chunk``
+        itself for a raw value, the dequantized rows (on ``chunk``'s device, in its dtype)
+        for a quantized one, so every tier of a quantizing store can serve the same rows
+        from one quantization."""
+        return self._encode(chunk, served=True)
+
+    def _encode(
+        self, chunk: CompactedChunk, served: bool = False
+    ) -> tuple[EncodedValue, CompactedChunk]:
+        mode = self.quantize
+        payload = None if mode is None else quantize_payload(chunk, mode)
+        if mode is None or payload is None:
+            if mode is not None:
+                with self._lock:
+                    self._unquantized += 1
+            span = packed_span(chunk) if chunk.device.type == "cpu" else None
+            if span is not None:  # packed in one buffer (as the memory tiers hold chunks)
+                parts: tuple[memoryview, ...] = (_byte_view(span),)
+            else:
+                parts = tuple(_byte_view(t) for t in (chunk.positions, chunk.keys, chunk.values))
+            return self._frame(chunk, parts, None), chunk
+        value = self._frame(chunk, (_byte_view(payload),), mode)
+        if not served:
+            return value, chunk
+        dk, dv = int(chunk.keys.shape[1]), int(chunk.values.shape[1])
+        back = dequantize_payload(
+            payload, chunk.kept_counts, chunk.num_tokens, dk, dv, mode, chunk.dtype
+        )
+        return value, back
+
+    def _frame(
+        self, chunk: CompactedChunk, parts: tuple[memoryview, ...], quantize: str | None
+    ) -> EncodedValue:
         header: dict[str, Any] = {
-            "v": VALUE_VERSION,
+            "v": VALUE_VERSION if quantize is None else QUANTIZED_VALUE_VERSION,
             "ns": self._ns,
             "dt": dtype_name(chunk.dtype),
             "nt": chunk.num_tokens,
@@ -230,14 +313,17 @@ class ChunkCodec:
             "kc": chunk.kept_counts.numpy().astype("<i4", copy=False).tobytes(),
             "plen": sum(p.nbytes for p in parts),
         }
+        if quantize is not None:
+            header["q"] = quantize
         header["ck"] = _checksum(_meta(header), parts)
         packed = msgpack.packb(header, use_bin_type=True)
         pad = -(_PREFIX.size + len(packed)) % _ALIGN
         head = _PREFIX.pack(MAGIC, len(packed)) + packed + bytes(pad)
-        return EncodedValue((head, *parts), len(head) + header["plen"])
+        return EncodedValue((head, *parts), len(head) + header["plen"], quantize)
 
     def decode(self, data: Buffer) -> CompactedChunk:
-        """Check and decode one value; tensors are zero-copy views of ``data``.
+        """Check and decode one value; tensors are zero-copy views of ``data`` (of a
+        quantized value: one fresh packed buffer of the dequantized rows, in ``dt``).
 
         Raises:
             CorruptEntryError: (a subclass naming the check) for anything untrustworthy;
@@ -269,11 +355,16 @@ class ChunkCodec:
         h = self._parse_header(mv[_PREFIX.size : _PREFIX.size + hlen])
         counts = self._kept_counts(h)
         dtype = SUPPORTED_DTYPES[h["dt"]]
-        expected = packed_nbytes(h["n"], h["dk"], h["dv"], dtype.itemsize)
+        quantize = h.get("q")
+        if quantize is None:
+            expected = packed_nbytes(h["n"], h["dk"], h["dv"], dtype.itemsize)
+        else:
+            expected = quantized_nbytes(h["n"], h["dk"], h["dv"], h["nt"])
         if h["plen"] != expected:
             raise ShapeMismatchError(
                 f"payload length {h['plen']} does not match shapes (n={h['n']}, dk={h['dk']}, "
-                f"dv={h['dv']}, {h['dt']}: {expected} bytes)"
+                f"dv={h['dv']}, {h['dt']}{'' if quantize is None else ' as ' + quantize}: "
+                f"{expected} bytes)"
             )
         off = _PREFIX.size + hlen + (-(_PREFIX.size + hlen) % _ALIGN)
         have = len(mv) - off
@@ -284,9 +375,17 @@ class ChunkCodec:
         if _checksum(_meta(h), [mv[off:]]) != h["ck"]:
             raise ChecksumMismatchError("payload or header checksum mismatch")
         n, nt = h["n"], h["nt"]
+        pos = "<u4" if quantize is None or position_bytes(nt) == 4 else "<u2"
         # as uint32 a negative position reads >= 2**31, so one max checks both bounds
-        if n and int(np.frombuffer(data, dtype="<u4", count=n, offset=off).max()) >= nt:
+        if n and int(np.frombuffer(data, dtype=pos, count=n, offset=off).max()) >= nt:
             raise ShapeMismatchError(f"positions outside [0, {nt})")
+        if quantize is not None:
+            payload = (
+                torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            return dequantize_payload(payload, counts, nt, h["dk"], h["dv"], quantize, dtype)
         positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
         return CompactedChunk._trusted(keys, values, counts, positions, nt)
 
@@ -297,11 +396,16 @@ class ChunkCodec:
             raise BadHeaderError(f"header is not valid msgpack: {exc}") from None
         if not isinstance(h, dict):
             raise BadHeaderError(f"header must be a map, got {type(h).__name__}")
-        if h.get("v") != VALUE_VERSION:
+        version = h.get("v")
+        if version not in (VALUE_VERSION, QUANTIZED_VALUE_VERSION):
             raise UnsupportedVersionError(
-                f"value format version {h.get('v')!r} is not supported (this build reads "
-                f"{VALUE_VERSION}); the chunk is recomputed"
+                f"value format version {version!r} is not supported (this build reads "
+                f"{VALUE_VERSION} and {QUANTIZED_VALUE_VERSION}); the chunk is recomputed"
             )
+        if version == QUANTIZED_VALUE_VERSION:
+            _check_quantized_header(h)
+        elif "q" in h:
+            raise BadHeaderError(f"a version-{version} value has no quantization field 'q'")
         ints = ("nt", "L", "H", "dk", "dv", "n", "plen")
         for name in ints:
             if type(h.get(name)) is not int or h[name] < 0:
@@ -347,6 +451,21 @@ class ChunkCodec:
             self._counts.clear()
         self._counts[key] = counts
         return counts
+
+
+def _check_quantized_header(h: dict[str, Any]) -> None:
+    """A quantized value names a quantization this torch reads and a float dtype to
+    dequantize into."""
+    q = h.get("q")
+    if not isinstance(q, str) or q not in QUANT_MODES:
+        raise BadHeaderError(f"a quantized value needs 'q' in {list(QUANT_MODES)}, got {q!r}")
+    try:
+        check_quantize(q, "header field 'q'")
+    except ValueError as exc:
+        raise BadHeaderError(str(exc)) from None
+    dt = h.get("dt")
+    if not isinstance(dt, str) or SUPPORTED_DTYPES.get(dt) not in FLOAT_DTYPES:
+        raise BadHeaderError(f"a quantized value's dtype must be a float type, got {dt!r}")
 
 
 def _views(

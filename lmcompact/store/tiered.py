@@ -3,6 +3,14 @@
 Puts write through every tier (the Redis one on a background thread, see
 :mod:`lmcompact.store.writer`); gets look tiers up in order and copy a hit into the tiers
 above it. ``lookup_prefix`` counts how many leading chunks some tier holds.
+
+Quantized stores (``StoreConfig.quantize``): the tiers that hold the codec's values (Redis)
+hold them quantized (:mod:`lmcompact.store.quant`), about half the bytes of bf16. The memory
+tiers keep holding chunks in the engine dtype (they serve views and copy packed buffers
+between host and device; dequantizing on every get would cost that), but they hold the
+DEQUANTIZED rows: a put quantizes once (:meth:`ChunkCodec.encode_served`), gives Redis the
+value and the memory tiers what that value decodes to, so a chunk reads the same from every
+tier, and a Redis hit promoted upward is that same chunk again.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmcompact.store.chunk import CompactedChunk
-from lmcompact.store.codec import ChunkCodec
+from lmcompact.store.codec import ChunkCodec, EncodedValue
 from lmcompact.store.eviction import EVICTION_POLICIES, make_eviction_policy
 from lmcompact.store.keys import ChunkKey, StoreNamespace
+from lmcompact.store.quant import check_quantize
 from lmcompact.store.tiers.base import StorageTier
 from lmcompact.store.tiers.cpu_tier import CPUTier
 from lmcompact.store.tiers.gpu_tier import GPUTier
@@ -48,6 +57,11 @@ class StoreConfig:
         redis_queue_size: bound of the background write queue, in chunks.
         redis_queue_timeout_s: longest a put blocks on a full queue before dropping the write.
         metrics_log_interval_s: log a metrics line at most this often; None disables.
+        quantize: ``"int8"`` or ``"fp8"`` (float8 e4m3fn) stores rows quantized, one float16
+            scale per row (:mod:`lmcompact.store.quant`): Redis values shrink to about half
+            of bf16, and every tier serves the dequantized rows (lossy; see the module
+            docstring). None (default) stores the engine dtype's bytes. The namespace must
+            differ from unquantized stores' (the connector adds the quantization to it).
     """
 
     gpu_capacity_bytes: int | None = None
@@ -65,8 +79,10 @@ class StoreConfig:
     redis_queue_size: int = 64
     redis_queue_timeout_s: float = 0.5
     metrics_log_interval_s: float | None = 60.0
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantize(self.quantize, "StoreConfig.quantize")
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -114,6 +130,23 @@ class StoreConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _values_or_chunks(
+    items: Sequence[tuple[ChunkKey, CompactedChunk]],
+    values: Sequence[EncodedValue | None],
+    owned: Sequence[CompactedChunk | None],
+    copy: bool,
+) -> list[tuple[ChunkKey, Any]]:
+    """What a tier holding values gets: the quantized value where there is one, else the
+    chunk (a memory tier's copy, or with ``copy`` a fresh one, for a background write)."""
+    out: list[tuple[ChunkKey, Any]] = []
+    for (key, chunk), value, mine in zip(items, values, owned, strict=True):
+        if value is not None:
+            out.append((key, value))
+        else:
+            out.append((key, mine or (chunk.clone() if copy else chunk)))
+    return out
+
+
 class TieredStore:
     """The chunk store the connector talks to.
 
@@ -133,10 +166,16 @@ class TieredStore:
     ) -> None:
         self.config = config or StoreConfig()
         self.namespace = namespace
-        self.codec = ChunkCodec(namespace)
+        self.codec = ChunkCodec(namespace, quantize=self.config.quantize)
         self.tiers: list[StorageTier] = list(tiers) if tiers is not None else self._build()
         if not self.tiers:
             raise ValueError("a store needs at least one tier")
+        if self.config.quantize is not None and not any(t.holds_encoded for t in self.tiers):
+            logger.info(
+                "store quantize=%s without a Redis tier: the memory tiers hold dequantized "
+                "rows in the engine dtype (lossy, same bytes)",
+                self.config.quantize,
+            )
         self._writers: dict[int, AsyncWriter] = {}
         if self.config.redis_async_writes:
             for i, tier in enumerate(self.tiers):
@@ -196,21 +235,36 @@ class TieredStore:
 
     def put_many(self, items: Sequence[tuple[ChunkKey, CompactedChunk]]) -> list[bool]:
         """Write ``items`` through every tier. The store copies: callers may reuse their
-        tensors once this returns (background writes use the store's own copy)."""
+        tensors once this returns (background writes use the store's own copy).
+
+        A quantizing store quantizes each chunk once: tiers that hold values get the
+        quantized value (it owns its bytes), memory tiers the rows it decodes to."""
+        values: list[EncodedValue | None] = [None] * len(items)
+        if self.config.quantize is not None:
+            served = []
+            for j, (key, chunk) in enumerate(items):
+                value, back = self.codec.encode_served(chunk)
+                if value.quantize is not None:
+                    values[j] = value
+                served.append((key, back))
+            items = served
         ok = [False] * len(items)
         owned: list[CompactedChunk | None] = [None] * len(items)
         for i, tier in enumerate(self.tiers):
             writer = self._writers.get(i)
             if writer is None:
-                results = tier.put_many(items)
+                if tier.holds_encoded:
+                    results = tier.put_many(_values_or_chunks(items, values, owned, copy=False))
+                else:
+                    results = tier.put_many(items)
                 if isinstance(tier, MemoryTier):
                     for j, (key, _) in enumerate(items):
                         if results[j] and owned[j] is None:
                             owned[j] = tier.peek(key)
             else:
                 results = [
-                    writer.submit(key, owned[j] or chunk.clone())
-                    for j, (key, chunk) in enumerate(items)
+                    writer.submit(key, item)
+                    for key, item in _values_or_chunks(items, values, owned, copy=True)
                 ]
             ok = [a or b for a, b in zip(ok, results, strict=True)]
         self._maybe_log()
@@ -290,6 +344,8 @@ class TieredStore:
         """Counters per tier, codec refusals and background-writer state."""
         out: dict[str, Any] = {t.name: t.metrics() for t in self.tiers}
         out["codec_rejected"] = self.codec.metrics()
+        if self.config.quantize is not None:
+            out["codec_unquantized"] = self.codec.unquantized
         out["writers"] = {self.tiers[i].name: w.metrics() for i, w in self._writers.items()}
         return out
 

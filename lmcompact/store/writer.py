@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from lmcompact.store.chunk import CompactedChunk
+from lmcompact.store.codec import EncodedValue
 from lmcompact.store.keys import ChunkKey
 from lmcompact.store.tiers.base import StorageTier
 
@@ -54,8 +55,10 @@ class AsyncWriter:
         self._closed = False
         self._thread.start()
 
-    def submit(self, key: ChunkKey, chunk: CompactedChunk) -> bool:
-        """Queue a write; False when it was dropped (queue full past the timeout, or closed)."""
+    def submit(self, key: ChunkKey, chunk: CompactedChunk | EncodedValue) -> bool:
+        """Queue a write (a chunk, or a value for a tier that :attr:`holds_encoded
+        <lmcompact.store.tiers.base.StorageTier.holds_encoded>`); False when it was dropped
+        (queue full past the timeout, or closed)."""
         if self._closed:
             return False
         try:

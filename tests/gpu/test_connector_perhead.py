@@ -1,4 +1,4 @@
-"""The memory connector's CUDA paths against their torch references (skipped without CUDA).
+"""The connector's CUDA paths against their torch references (skipped without CUDA).
 
 * ``observe_layer`` takes the Triton window-score kernel on CUDA (bf16 / fp16 cache): its
   mass must match the float32 reference on the same keys and queries.
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from lmcompact.attention.scores import window_scores
+from lmcompact.compaction.holes import Hole, skip_holes
+from lmcompact.compaction.page_layout import make_layout
+from lmcompact.compaction.per_head import masked_decode_attention
+from lmcompact.compaction.per_head_attention import PerHeadAttention
+from lmcompact.compaction.save_job import observe_layer
 from lmcompact.policies import Need
-from lmcompact.vllm.compaction import observe_layer
-from lmcompact.vllm.holes import Hole, skip_holes
-from lmcompact.vllm.kv_layout import make_layout
-from lmcompact.vllm.memory.perhead import masked_decode_attention
-from lmcompact.vllm.memory.perhead_attention import PerHeadAttention
 from tests.gpu.errors import rel_err
 
 pytestmark = [

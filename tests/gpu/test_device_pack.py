@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmcompact.compaction.device_pack import DevicePacker
+from lmcompact.compaction.pack import WindowQueries, pack_in_place
+from lmcompact.compaction.page_layout import make_layout
 from lmcompact.kernels.paged_pack import (
     gather_pages,
     gather_pages_reference,
@@ -13,9 +16,6 @@ from lmcompact.kernels.paged_pack import (
     scatter_kept_reference,
 )
 from lmcompact.policies.registry import make_policy
-from lmcompact.vllm.kv_layout import make_layout
-from lmcompact.vllm.memory.device_pack import DevicePacker
-from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place
 
 pytestmark = [
     pytest.mark.gpu,

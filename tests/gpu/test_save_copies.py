@@ -1,6 +1,6 @@
 """The connector's save path on CUDA: pages go to pinned host memory on a side stream, the
 forward pass's stream is not held up, and the save job reads them only after the copy
-(skipped without a GPU; the CPU path is in tests/unit/connectors/test_save_to_host.py)."""
+(skipped without a GPU; the CPU path is in tests/unit/vllm_connector/test_save_to_host.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from connectors.vllm.worker import Worker
+from lmcompact.compaction.save_job import SaveJob
 from lmcompact.store.transfer import CopierPool
-from lmcompact.vllm.compaction import SaveJob
-from lmcompact.vllm.worker_save import ChunkSaving
 from tests.gpu.test_store_transfer import sleep_cycles
 
 pytestmark = [
@@ -20,8 +20,8 @@ pytestmark = [
 ]
 
 
-def saver() -> ChunkSaving:
-    half = ChunkSaving.__new__(ChunkSaving)  # only the copy helper is exercised
+def saver() -> Worker:
+    half = Worker.__new__(Worker)  # only the copy helper (Worker._to_host) is exercised
     half._save_copiers = CopierPool()
     return half
 
@@ -59,9 +59,9 @@ def test_save_copies_do_not_stall_and_job_waits_for_them() -> None:
 def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
     """The save path computes window scores on the GPU (Triton kernel, bf16 inputs) at
     copy time; they agree with the float32 host reference the job would compute."""
+    from lmcompact.compaction.page_layout import make_layout
+    from lmcompact.compaction.save_job import window_masses
     from lmcompact.policies import make_policy
-    from lmcompact.vllm.compaction import window_masses
-    from lmcompact.vllm.kv_layout import make_layout
 
     torch.manual_seed(0)
     bs, h, d, t, w = 32, 4, 128, 1024, 32

@@ -1,4 +1,4 @@
-"""The memory connector inside vLLM with CUDA graphs on (skipped without CUDA and vLLM).
+"""The connector's release group inside vLLM with CUDA graphs on (skipped without CUDA and vLLM).
 
 A small Llama with transformers' initialisation (std 0.02) is saved on the device and
 loaded with its real weights (vLLM's ``load_format="dummy"`` gives near-zero weights
@@ -6,7 +6,8 @@ whose greedy tokens barely depend on the prompt). With CUDA graphs on (the conne
 default ``"cuda_graphs": "piecewise"``, and ``"full"``: vLLM's full decode graphs over holes
 cut in the runner's input buffers):
 
-* policy ``none`` through ``LMCompactMemoryConnector`` gives the baseline's tokens;
+* policy ``none`` through ``LMCompactConnector`` with a ``"release"`` group gives the
+  baseline's tokens;
 * after a SnapKV pack on the GPU, the next token's log-probabilities match a dense float32
   reference (transformers' weights, a hand-written decode step) that attends, per
   (layer, kv head), to exactly the tokens the pack kept plus the unpacked tail; and they
@@ -76,12 +77,12 @@ def engine(
     """bf16 on the GPU with CUDA graphs on (no ``enforce_eager``) and vLLM's own token
     budget per step, through the one engine builder; ``overrides`` are ``LLM`` keywords."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from lmcompact.vllm.offline import engine as offline_engine
+    from connectors.vllm.offline import engine as offline_engine
 
     return offline_engine(
         str(model),
         extra,
-        connector="LMCompactMemoryConnector",
+        connector="LMCompactConnector",
         dtype="bfloat16",
         block_size=BS,
         max_model_len=2048,
@@ -113,7 +114,7 @@ def test_policy_none_equals_baseline_with_graphs(model_dir: Path) -> None:
     prompts = [prompt(1), prompt(2)]
     with engine(model_dir, None) as llm:
         base = [list(generate(llm, ids, 24).token_ids) for ids in prompts]
-    extra = {"policy": "none", "save": False, "load": False, "memory": {"prefill": "auto"}}
+    extra = {"policy": "none", "store": False, "release": {"prefill": "auto"}}
     with engine(model_dir, extra) as llm:
         got = [list(generate(llm, ids, 24).token_ids) for ids in prompts]
     assert got == base
@@ -165,10 +166,9 @@ def dense_next_logprobs(
 PACK_SNAPKV: dict[str, Any] = {
     "policy": "snapkv",
     "budget": 0.25,
-    "save": False,
-    "load": False,
+    "store": False,
     "window": 32,
-    "memory": {"prefill": "pack"},
+    "release": {"prefill": "pack"},
 }
 """In-place SnapKV packs at the prefill end, no store (both pack tests)."""
 
@@ -186,7 +186,7 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
 ) -> None:
     from transformers import LlamaForCausalLM
 
-    from lmcompact.vllm.memory.device_pack import DevicePacker
+    from lmcompact.compaction.device_pack import DevicePacker
 
     recorded: list[torch.Tensor] = []
     original = DevicePacker.pack
@@ -206,9 +206,9 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
             out = generate(llm, ids, 3, logprobs=20)
             mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
             full = mode.has_full_cudagraphs()
-            assert full == (graphs == "full") == _worker_half().full_graphs
-            assert _worker_half().cut_at_build == (graphs == "full")
-            cut_rows = _worker_half().stats["rows_cut_in_buffers"]
+            assert full == (graphs == "full") == _worker().full_graphs
+            assert _worker().cut_at_build == (graphs == "full")
+            cut_rows = _worker().stats["rows_cut_in_buffers"]
     finally:
         DevicePacker.pack = original  # type: ignore[method-assign]
     assert len(recorded) == warm + 1, "the request was not packed on the GPU"
@@ -237,11 +237,11 @@ def test_compacted_logits_match_dense_reference_over_kept_tokens(
     assert int(out.token_ids[1]) == int(ref_kept.argmax())
 
 
-def _worker_half() -> Any:
+def _worker() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector: Any = get_kv_transfer_group()
-    return connector.worker_half
+    return connector.worker
 
 
 Steps = list[tuple[int, dict[int, float]]]  # per generated token: (token, top log-probs)
@@ -288,7 +288,7 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
         with engine(model_dir, {**extra, **options}, **overrides) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             runs[name] = [_steps(o.outputs[0]) for o in outs]
-            stats = dict(_worker_half().stats)
+            stats = dict(_worker().stats)
         print(name, [[t for t, _ in r] for r in runs[name]], stats.get("rows_cut_in_buffers"))
         assert (stats["rows_cut_in_buffers"] >= 4 * 10) == (name == "full")
     for full, eager in zip(runs["full"], runs["eager"], strict=True):
@@ -300,7 +300,7 @@ STORE_PER_HEAD: dict[str, Any] = {
     "policy_params": {"allocation": "ragged", "share": False, "kernel_size": 1},
     "budget": 0.25,
     "window": 32,
-    "memory": {"prefill": "off"},
+    "release": {"prefill": "off"},
     "store": {"chunk_size": 256, "async_save": False, "per_head": {"slack": 2}},
 }
 """kvzip's ragged counts stored per (layer, head), each at most 2 x 64 of a 256-token chunk."""
@@ -323,27 +323,27 @@ def test_store_per_head_load_matches_masked_reference_with_graphs(model_dir: Pat
     match the float32 reference that computes the tail and the decode step over each
     head's stored tokens (the tail's own keys were computed over the compacted prefix, so
     a reference over the whole prompt is the wrong one, and is farther away)."""
-    from lmcompact.vllm.worker_side import WorkerHalf
+    from connectors.vllm.worker import Worker
     from tests.integration.vllm_sliding import reference
 
     loads: list[list[Any]] = []
-    fetch = WorkerHalf._fetch
+    fetch = Worker._fetch
 
-    def recording_fetch(self: WorkerHalf, spec: Any) -> Any:
+    def recording_fetch(self: Worker, spec: Any) -> Any:
         chunks = fetch(self, spec)
         if chunks is not None:
             loads.append([chunk.clone(device="cpu") for chunk in chunks])
         return chunks
 
     ids = prompt(5)
-    WorkerHalf._fetch = recording_fetch  # type: ignore[method-assign]
+    Worker._fetch = recording_fetch  # type: ignore[method-assign]
     try:
         with engine(model_dir, STORE_PER_HEAD) as llm:
             generate(llm, ids, 2)  # computes the prompt, stores 3 chunks
             out = generate(llm, ids, 2, logprobs=20)  # loads them
-            perhead = dict(_worker_half().perhead.stats)
+            perhead = dict(_worker().perhead.stats)
     finally:
-        WorkerHalf._fetch = fetch  # type: ignore[method-assign]
+        Worker._fetch = fetch  # type: ignore[method-assign]
     assert len(loads) == 1 and len(loads[0]) == 3
     assert perhead["requests"] == 1 and perhead["calls"] >= 2
     counts = torch.stack([chunk.kept_counts for chunk in loads[0]])

@@ -19,18 +19,21 @@ copy goes to fresh blocks instead). int8 tokens move with their scales.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from lmcompact.hf.observe import observe_prefill
+from lmcompact.compaction.policy_inputs import (
+    compaction_inputs,
+    layer_observation,
+    prompt_observations,
+)
 from lmcompact.hf.paged.blocks import BlockPool
 from lmcompact.hf.paged.storage import KVStorage
 from lmcompact.hf.paged.table import BlockTable, allocate_cleared
 from lmcompact.plan import KeepPlan
-from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation, Need, Phase
+from lmcompact.policies import CompactionPolicy, LayerObservation, Need, Phase
 
 if TYPE_CHECKING:
     from lmcompact.hf.paged.layer import PagedLayer
@@ -44,8 +47,9 @@ DEFAULT_WINDOW = 32
 class PrefillObserver:
     """Captures the prefill attention statistics a policy needs, per layer.
 
-    The statistics come from :func:`lmcompact.hf.observe.observe_prefill` (the
-    same capture the ragged ``Cache`` uses).
+    The statistics come from
+    :func:`lmcompact.compaction.policy_inputs.prompt_observations` (the same capture the
+    ragged ``Cache`` uses); the keys are read back from the pool when the policy plans.
 
     Args:
         policy: The compaction policy (must apply at prefill).
@@ -83,20 +87,10 @@ class PrefillObserver:
         table = layer.table
         shared = table is not None and bool((table.blocks == table.blocks[:1]).all())
         rows = 1 if shared else query.shape[0]
-        seen = observe_prefill(query[:rows], key[:rows], self.policy.needs, self.window, scale)
-        self.layers[layer.layer_idx] = [
-            LayerObservation(
-                window_scores=_row(seen.window_scores, row),
-                window_attention=_row(seen.window_attention, row),
-                cumulative_scores=_row(seen.cumulative_scores, row),
-            )
-            for row in range(rows)
-        ]
+        self.layers[layer.layer_idx] = prompt_observations(
+            self.policy.needs, query[:rows], key[:rows], window=self.window, scale=scale
+        )
         self.pending = True
-
-
-def _row(tensor: torch.Tensor | None, row: int) -> torch.Tensor | None:
-    return tensor[row] if tensor is not None else None
 
 
 def _groups(table: BlockTable) -> list[list[int]]:
@@ -165,15 +159,12 @@ def _plan_row(
         if table.tail_start != 0 or table.num_slots != t:
             raise ValueError("prefill compaction needs every layer uncompacted and equally long")
         captured = observer.layers.get(layer.layer_idx, [LayerObservation()])
-        obs = dataclasses.replace(captured[row] if len(captured) > 1 else captured[0])
+        keys = values = None
         if needs & Need.KEYS:
-            slots = torch.arange(t)
-            keys, values = storage.read_slots(*table.addresses(row, slots))
-            obs.keys, obs.values = keys, values
-        observations.append(obs)
-    inputs = CompactionInputs(
-        num_candidates=t, num_kv_heads=table0.num_kv_heads, layers=observations
-    )
+            keys, values = storage.read_slots(*table.addresses(row, torch.arange(t)))
+        observed = captured[row] if len(captured) > 1 else captured[0]
+        observations.append(layer_observation(needs, keys, values, observed=observed))
+    inputs = compaction_inputs(needs, observations, t, table0.num_kv_heads)
     plan = observer.policy.plan(inputs)
     plan.validate_for(len(layers), table0.num_kv_heads, t)
     return plan

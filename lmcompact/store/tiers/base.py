@@ -20,6 +20,10 @@ class StorageTier(ABC):
     """
 
     name: str = "tier"
+    holds_encoded: bool = False
+    """True for a tier that holds the store codec's values (Redis): its ``put_many`` also
+    takes :class:`lmcompact.store.codec.EncodedValue` items, so a quantizing store hands it
+    the value it quantized once. Memory tiers hold chunks (tensors in the engine dtype)."""
 
     def __init__(self) -> None:
         self.stats = TierMetrics()

@@ -52,6 +52,7 @@ class RedisTier(StorageTier):
     """
 
     name = "redis"
+    holds_encoded = True
 
     def __init__(
         self,
@@ -200,8 +201,15 @@ class RedisTier(StorageTier):
             self._call(lambda c: c.delete(*[self.redis_key(k) for k in bad]), 0)
         return out
 
-    def put_many(self, items: Sequence[tuple[ChunkKey, CompactedChunk]]) -> list[bool]:
-        encoded = [(self.redis_key(k), self.codec.encode(c)) for k, c in items]
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, CompactedChunk | EncodedValue]]
+    ) -> list[bool]:
+        """Store chunks (encoded by this tier's codec) or values that codec encoded already
+        (a quantizing store's, see :attr:`StorageTier.holds_encoded`), one round trip."""
+        encoded = [
+            (self.redis_key(k), c if isinstance(c, EncodedValue) else self.codec.encode(c))
+            for k, c in items
+        ]
         return self.put_encoded(encoded)
 
     def put_encoded(self, items: Sequence[tuple[bytes, EncodedValue | bytes]]) -> list[bool]:

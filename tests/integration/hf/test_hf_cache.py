@@ -155,22 +155,23 @@ def test_window_scores_match_eager_attention(loaded: tuple[Any, Any], prompt: to
     original_compact = cache.compact
 
     def keep_observation() -> None:
-        captured["mass"] = cache.layers[5].observation.window_scores.clone()
+        captured["mass"] = cache.layers[5].observations[0].window_scores.clone()
         original_compact()
 
     cache.compact = keep_observation  # type: ignore[method-assign]
     with torch.no_grad():
         model(prompt, past_key_values=cache)
     naive = window_scores_naive(captured["q"][:, :, -32:], captured["k"])
-    torch.testing.assert_close(captured["mass"], naive, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(captured["mass"], naive[0], rtol=1e-4, atol=1e-5)
 
 
 def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.Tensor) -> None:
     """The transformers path and the vLLM save path score kvzip alike: the context scores
     captured inside the forward equal the connector's on the same queries and keys."""
+    from lmcompact.compaction.policy_inputs import layer_observation
+    from lmcompact.compaction.save_job import SaveJob
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.hf.observe import rope_from_model
-    from lmcompact.vllm.compaction import SaveJob, observe_context
 
     model, _ = loaded
     captured: dict[str, torch.Tensor] = {}
@@ -189,8 +190,9 @@ def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.
     original_compact = cache.compact
 
     def keep_observation() -> None:
-        observation = layer.observation
-        assert observation is not None and observation.context_scores is not None
+        assert layer.observations is not None
+        observation = layer.observations[0]
+        assert observation.context_scores is not None
         captured["scores"] = observation.context_scores.clone()
         original_compact()
 
@@ -201,13 +203,21 @@ def test_kvzip_scores_are_the_connectors(loaded: tuple[Any, Any], prompt: torch.
     assert positions is not None and positions.numel() == 200
     rope = rope_from_model(model)
     assert rope is not None
-    job = SaveJob(
-        "r", [], 0, PROMPT_TOKENS, [], None, positions, float(captured["scale"]), rope=rope
-    )
     queries = captured["q"][0].permute(1, 0, 2)[positions]  # (S, Hq, D) as the worker copies
-    theirs = observe_context(job, policy, captured["k"][0], queries, torch.arange(200))
+    job = SaveJob(
+        "r", [], 0, PROMPT_TOKENS, [], [queries], positions, float(captured["scale"]), rope=rope
+    )
+    _, sample = job.layer_queries(0, policy)  # the sample the save path scores
+    theirs = layer_observation(
+        policy.needs,
+        captured["k"][0],
+        sample=sample,
+        scale=job.scale,
+        context_shift=policy.context_shift(job.prompt_len),
+        rope=job.rope,
+    ).context_scores
     assert theirs is not None
-    torch.testing.assert_close(captured["scores"][0], theirs, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(captured["scores"], theirs, rtol=1e-4, atol=1e-6)
     assert cache.plans is not None
     assert bool((cache.plans[0].kept_counts() == PROMPT_TOKENS // 2).all())
 
@@ -217,11 +227,11 @@ def test_expected_attention_plans_are_the_connectors(
 ) -> None:
     """Expected Attention keeps the same tokens in transformers and on the vLLM save path:
     statistics from the window and the prompt sample, one softmax over the span."""
+    from lmcompact.compaction.page_layout import CpuPageLayout
+    from lmcompact.compaction.save_job import SaveJob, compact_job
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.hf.observe import rope_from_model
     from lmcompact.store import ChunkKeyer, StoreNamespace
-    from lmcompact.vllm.compaction import SaveJob, compact_job
-    from lmcompact.vllm.kv_layout import CpuPageLayout
 
     model, _ = loaded
     policy = policy_for("expected_attention", 0.5, PROMPT_TOKENS)

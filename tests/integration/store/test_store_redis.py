@@ -22,9 +22,9 @@ from lmcompact.store import (
     chunk_keys,
 )
 from lmcompact.store.chunk import SUPPORTED_DTYPES
-from lmcompact.store.codec import VALUE_VERSION
-from lmcompact.store.redis_process import RedisProcess, free_port
+from lmcompact.store.codec import QUANTIZED_VALUE_VERSION
 from lmcompact.store.tiers.redis_tier import RedisTier
+from tests.support.redis_process import RedisProcess, free_port
 from tests.unit.store.store_helpers import make_chunk, make_namespace, same_chunk
 from tests.unit.store.test_store_codec import V1_CRC32
 
@@ -121,7 +121,7 @@ def rewrite_header(value: bytes, **changes) -> bytes:
     [
         (lambda v: v[:400] + bytes([v[400] ^ 0x10]) + v[401:], "checksum_mismatch"),
         (lambda v: v[: len(v) // 2], "truncated"),
-        (lambda v: rewrite_header(v, v=VALUE_VERSION + 1), "unsupported_version"),
+        (lambda v: rewrite_header(v, v=QUANTIZED_VALUE_VERSION + 1), "unsupported_version"),
         (lambda v: bytes.fromhex(V1_CRC32), "unsupported_version"),  # the previous format
         (
             lambda v: ChunkCodec(make_namespace(model_id="other")).encode(make_chunk(0)).tobytes(),
@@ -143,6 +143,49 @@ def test_bad_values_are_refused_counted_and_removed(redis_server, damage, reason
     assert r.exists(rkey) == 0  # the bad value was deleted
     assert tier.put(KEYS[0], make_chunk(0))  # recomputed and written again
     assert same_chunk(tier.get(KEYS[0]), make_chunk(0))
+
+
+def test_quantized_store_round_trip_through_redis(redis_server):
+    """An int8 store writes quantized values to Redis (about half of bf16's bytes), and a
+    second store of the same namespace reading them back from Redis alone gets the very
+    rows the first store's CPU tier serves; an unquantized value under its key is refused
+    and deleted."""
+    ns = make_namespace(policy_params={"budget": 1.0, "quantize": "int8"})
+    keys = chunk_keys(TOKENS[: 256 * 3], ns, 256)
+    chunks = [make_chunk(i, kept=64, dim=128, dtype=torch.bfloat16) for i in range(3)]
+    cfg = StoreConfig(
+        cpu_capacity_bytes=16 << 20,
+        redis_url=redis_server.url,
+        quantize="int8",
+        redis_backoff_initial_s=0.05,
+        redis_backoff_max_s=0.1,
+    )
+    r = raw_client(redis_server.url)
+    with TieredStore(ns, cfg) as writer:
+        assert writer.put_many(list(zip(keys, chunks, strict=True))) == [True] * 3
+        assert writer.flush(10)
+        served = [writer.tier("cpu").get(k) for k in keys]
+        redis = writer.tier("redis")
+        assert isinstance(redis, RedisTier)
+        plain = ChunkCodec(make_namespace()).encode(chunks[0])
+        stored = r.strlen(redis.redis_key(keys[0]))
+        assert stored <= 0.52 * len(plain)
+    reader_cfg = StoreConfig(
+        cpu_capacity_bytes=None, redis_url=redis_server.url, redis_async_writes=False
+    )
+    with TieredStore(ns, reader_cfg) as reader:  # a fresh engine: Redis only
+        got = reader.get_many(keys)
+        for chunk, back, mine in zip(chunks, got, served, strict=True):
+            assert back is not None and mine is not None and same_chunk(back, mine)
+            assert back.dtype == torch.bfloat16
+            err = (back.keys.float() - chunk.keys.float()).abs()
+            step = chunk.keys.float().abs().amax(dim=1, keepdim=True) / 127
+            assert (err <= step / 2 * (1 + 2**-9) + back.keys.float().abs() * 2**-8).all()
+        rkey = reader.tier("redis").redis_key(keys[1])  # type: ignore[attr-defined]
+        r.set(rkey, plain.tobytes())  # another namespace's (unquantized) bytes
+        assert reader.get(keys[1]) is None
+        assert reader.metrics()["codec_rejected"]["foreign_namespace"] == 1
+        assert r.exists(rkey) == 0
 
 
 def test_batches_take_one_round_trip_each(redis_server, monkeypatch):

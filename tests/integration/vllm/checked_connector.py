@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcompact.vllm.connector import LMCompactConnector, LMCompactMetadata
+from connectors.vllm.connector import LMCompactConnector, LMCompactMetadata
 from tests.integration.vllm.tensor_walk import tensors_in
 
 

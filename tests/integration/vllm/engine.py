@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from lmcompact.vllm.offline import worker_connector  # imports no vLLM: the environment below wins
+from connectors.vllm.offline import worker_connector  # imports no vLLM: the environment below wins
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -24,7 +24,7 @@ def transfer_config(
     connector: str = "LMCompactConnector",
     module_path: str | None = None,
 ) -> Any:
-    from lmcompact.vllm.offline import transfer_config as build
+    from connectors.vllm.offline import transfer_config as build
 
     return build(extra, connector, module_path)
 
@@ -37,9 +37,9 @@ def engine(
     max_model_len: int = 4096,
     prefix_caching: bool = False,
 ) -> Iterator[Any]:
-    """An ``LLM`` in float32 on the CPU (:func:`lmcompact.vllm.offline.engine`, the one engine
+    """An ``LLM`` in float32 on the CPU (:func:`connectors.vllm.offline.engine`, the one engine
     builder); ``extra`` None runs without the connector."""
-    from lmcompact.vllm.offline import engine as offline_engine
+    from connectors.vllm.offline import engine as offline_engine
 
     with offline_engine(
         model,

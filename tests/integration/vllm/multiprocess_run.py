@@ -28,7 +28,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import SamplingParams
 
-    from lmcompact.vllm.offline import build_llm
+    from connectors.vllm.offline import build_llm
 
     llm = build_llm(
         args.model,

@@ -1,10 +1,11 @@
 """Connectors that check, at every scheduler step, that vLLM's prefix cache never holds
 compacted KV (tests only).
 
-Loaded by module path (``PrefixCheckedConnector``, ``PrefixCheckedMemoryConnector``). After
+Loaded by module path (``PrefixCheckedConnector``; its options name the ``"release"`` group
+where a test packs or releases). After
 the real connector planned a step (``build_connector_meta``), with what the step's own
 metadata says and vLLM's block rows, independently of the connector's
-:class:`~lmcompact.vllm.memory.blocks.PrefixCacheGuard` bookkeeping:
+:class:`~connectors.vllm.patches.kv_cache_manager.PrefixCacheGuard` bookkeeping:
 
 * every block a pack of this step will rewrite is held by its request alone and carries no
   prefix-cache hash;
@@ -19,23 +20,24 @@ hit vLLM hands ``get_num_new_matched_tokens``).
 
 A failed check raises inside the engine step, which fails the test. vLLM freeing a request
 (finish, abort, preemption) ends its record: recomputed, it is exact again. Real
-counterpart: the connectors themselves, unchanged.
+counterpart: the connector itself, unchanged.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lmcompact.vllm import vllm_shim as shim
-from lmcompact.vllm.connector import LMCompactConnector, LMCompactMemoryConnector, LMCompactMetadata
+from connectors.vllm.connector import LMCompactConnector, LMCompactMetadata
+from connectors.vllm.patches import scheduler_output as output_patch
+from connectors.vllm.scheduler import Scheduler
+from connectors.vllm.spec import ConnectorSpec
 
 
 class PrefixChecks:
     """The per-step checks; mixed into a connector class."""
 
-    cache_guard: Any
-    facts: Any
-    config: Any
+    scheduler: Scheduler | None
+    spec: ConnectorSpec
 
     def _init_checks(self) -> None:
         self.local_hits: dict[str, int] = {}  # request -> tokens vLLM's own cache served
@@ -52,16 +54,18 @@ class PrefixChecks:
         self.local_hits[request.request_id] = num_computed_tokens
 
     def check_step(self, meta: LMCompactMetadata, scheduler_output: Any, kept: int) -> None:
-        guard = self.cache_guard
+        guard = None if self.scheduler is None else self.scheduler.guard
         if guard is None:
             raise AssertionError("prefix caching is on but no PrefixCacheGuard is bound")
         rows = guard.group.req_to_blocks
-        bs = self.facts.block_size
-        gone = shim.finished_req_ids(scheduler_output) | shim.preempted_req_ids(scheduler_output)
+        bs = self.spec.facts.block_size
+        gone = output_patch.finished_req_ids(scheduler_output) | output_patch.preempted_req_ids(
+            scheduler_output
+        )
         for req_id in gone:
             self._compacted_from.pop(req_id, None)
         problems: list[str] = []
-        for job in getattr(meta, "packs", []):
+        for job in meta.packs:
             first, stop = job.start // bs, (job.start + job.reserved) // bs
             for index, block in enumerate(rows[job.req_id][first:stop], first):
                 if block.ref_cnt != 1 or block.block_hash is not None:
@@ -71,10 +75,10 @@ class PrefixChecks:
                     )
             self._mark(job.req_id, first)
             self.packs_checked += 1
-        if kept < self.config.store.chunk_size:
+        if kept < self.spec.config.store.chunk_size:
             for load in meta.step.loads:
                 self._mark(load.req_id, load.start // bs)
-        for sched in shim.scheduled_requests(scheduler_output):
+        for sched in output_patch.scheduled_requests(scheduler_output):
             row = rows.get(sched.req_id, [])
             for key, hole in meta.step.holes.items():
                 column = hole.key_column
@@ -124,8 +128,4 @@ class _CheckedSteps(PrefixChecks):
 
 
 class PrefixCheckedConnector(_CheckedSteps, LMCompactConnector):
-    pass
-
-
-class PrefixCheckedMemoryConnector(_CheckedSteps, LMCompactMemoryConnector):
     pass

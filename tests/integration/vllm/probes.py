@@ -27,7 +27,8 @@ class PrefillRecorder:
     """
 
     def __init__(self, names: list[str], half: Any | None = None) -> None:
-        """``half``: the worker half whose pages to read K/V from (None: no K/V)."""
+        """``half``: the connector's :class:`~connectors.vllm.worker.Worker` whose pages to
+        read K/V from (None: no K/V)."""
         self.half = half
         self.calls: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
 
@@ -56,10 +57,13 @@ class PrefillRecorder:
 
 
 def stored_chunks(connector: Any, prompt: list[int], chunk_size: int | None = None) -> list[Any]:
-    """The stored chunks of ``prompt`` (None where a chunk is missing)."""
+    """The stored chunks of ``prompt`` in ``connector``'s store (an ``LMCompactConnector``;
+    its rank's namespace), None where a chunk is missing."""
     from lmcompact.store import ChunkKeyer
 
-    keyer = ChunkKeyer(connector.namespace, chunk_size or connector.config.store.chunk_size)
+    spec = connector.spec
+    namespace = spec.namespaces[connector.tp_rank]
+    keyer = ChunkKeyer(namespace, chunk_size or spec.config.store.chunk_size)
     return connector.store.get_many(keyer.keys(prompt))
 
 

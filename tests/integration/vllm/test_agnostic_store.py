@@ -54,13 +54,13 @@ def answers(
         connector = worker_connector()
         if extra is not None:
             greedy(llm, shared.context, 1)  # stores the context, compacted
-            connector.worker_half.drain()
+            connector.worker.drain()
         for index in range(len(shared.needles)):
-            before = connector.worker_half.stats["loaded_chunks"] if extra else 0
+            before = connector.worker.stats["loaded_chunks"] if extra else 0
             out.append(tokenizer.decode(greedy(llm, shared.prompt(index), MAX_TOKENS)))
             if extra is not None:
-                connector.worker_half.drain()
-                loaded.append(int(connector.worker_half.stats["loaded_chunks"] - before))
+                connector.worker.drain()
+                loaded.append(int(connector.worker.stats["loaded_chunks"] - before))
     return out, loaded
 
 
@@ -71,13 +71,16 @@ def test_kvzip_store_answers_every_question(
     full_ok = [shared.correct(i, a) for i, a in enumerate(full)]
     assert sum(full_ok) >= 2, f"the full cache itself fails this context: {full}"
 
-    extra = {"policy": "kvzip", "budget": 0.5, "chunk_size": CHUNK}
+    extra = {"policy": "kvzip", "budget": 0.5, "store": {"chunk_size": CHUNK}}
     got, loaded = answers(smollm2_path, tokenizer, shared, extra)
     assert loaded == [CONTEXT // CHUNK] * 3, f"each question must load the stored context: {loaded}"
     ok = [shared.correct(i, a) for i, a in enumerate(got)]
 
     snap, snap_loaded = answers(
-        smollm2_path, tokenizer, shared, {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK}
+        smollm2_path,
+        tokenizer,
+        shared,
+        {"policy": "snapkv", "budget": 0.5, "store": {"chunk_size": CHUNK}},
     )
     snap_ok = [shared.correct(i, a) for i, a in enumerate(snap)]
     report = (

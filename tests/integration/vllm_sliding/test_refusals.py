@@ -6,28 +6,27 @@ from pathlib import Path
 
 import pytest
 
-from lmcompact.vllm.offline import build_llm
-from tests.integration.vllm_memory.harness import memory_engine
+from connectors.vllm.offline import build_llm
+from tests.integration.vllm_release.harness import release_engine
 
 pytestmark = pytest.mark.integration
 
-STORE = ("LMCompactConnector", "lmcompact.vllm.connector")
+STORE = ("LMCompactConnector", "connectors.vllm.connector")
 
 
 def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
     extra = {
         "policy": "snapkv",
         "budget": 0.5,
-        "save": False,
-        "load": False,
-        "memory": {"decode_budget_tokens": 512, "decode_policy": "h2o"},
+        "store": False,
+        "release": {"decode_budget_tokens": 512, "decode_policy": "h2o"},
     }
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     try:
         with (
             pytest.raises(ValueError, match=r"decode_policy 'h2o' cannot be exact .*sliding"),
-            memory_engine(str(gemma3_path), extra, max_model_len=1024),
+            release_engine(str(gemma3_path), extra, max_model_len=1024),
         ):
             pass
     finally:
@@ -46,7 +45,7 @@ def test_store_per_head_on_sliding_window_model_is_refused(gemma3_path: Path) ->
     try:
         with (
             pytest.raises(ValueError, match=r"store\.per_head cannot be exact .*sliding"),
-            memory_engine(str(gemma3_path), extra, max_model_len=1024, connector=STORE),
+            release_engine(str(gemma3_path), extra, max_model_len=1024, connector=STORE),
         ):
             pass
     finally:

@@ -31,7 +31,7 @@ def test_budget_plans_baseline_first_then_one_pack_per_budget() -> None:
         "store": False,
         "release": {"prefill": "pack"},
     }
-    from lmcompact.vllm.config import ConnectorConfig  # the one connector takes the plan as is
+    from connectors.vllm.config import ConnectorConfig  # the one connector takes the plan as is
 
     config = ConnectorConfig.from_extra(plans[2][1])
     assert config.release is not None and not config.store.enabled

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcompact.attention.scores import reconstruction_scores
-from lmcompact.policies.kvzip import reconstruction_ids
-from lmcompact.vllm.reconstruct import (
+from connectors.vllm.reconstruct import (
     ReconstructRequest,
     ReconstructScores,
     reconstruct_params,
     reconstruct_request,
 )
+from lmcompact.attention.scores import reconstruction_scores
+from lmcompact.policies.kvzip import reconstruction_ids
 
 
 def _naive(

@@ -48,7 +48,9 @@ def test_cases_per_task() -> None:
     assert len(single) == 6 and all(len(c.stored.needles) == 1 for c in single)
     assert sorted(c.stored.needles[0].depth for c in single) == [0.1, 0.1, 0.5, 0.5, 0.9, 0.9]
     assert next(iter(cells(config))) == ("none", "none", 1.0)
-    assert len(list(cells(config))) == 1 + 3 * 2
+    # 4 modes x 2 budgets, but "both" only below its store budget (0.5): 0.25 alone
+    assert len(list(cells(config))) == 1 + 3 * 2 + 1
+    assert ("both", "snapkv", 0.5) not in set(cells(config))
 
 
 @pytest.mark.parametrize(
@@ -201,7 +203,7 @@ def test_save_mode_of_kvzip_uses_the_reconstruction_request() -> None:
     assert policy_label("snapkv", config, False) == "snapkv"
     wide = VllmEvalConfig(policies=["snapkv"], chunk_size=1024)
     assert policy_label("snapkv", wide, False) == "snapkv@chunk1024"
-    assert connector_extra("save", "snapkv", 0.5, wide, "ns")["chunk_size"] == 1024
+    assert connector_extra("save", "snapkv", 0.5, wide, "ns")["store"]["chunk_size"] == 1024
     extra = connector_extra("save", "kvzip", 0.5, config, "ns")
     assert extra["policy_params"] == {"share": True, "kernel_size": 15}
     assert "policy_params" not in connector_extra("save", "snapkv", 0.5, config, "ns")
@@ -231,7 +233,9 @@ def test_merge_accepts_an_earlier_merge() -> None:
 def test_save_mode_of_self_info_uses_the_surprisal_requests() -> None:
     from lmcompact.eval.vllm_runner import uses_reconstruction, uses_surprisal
 
-    config = VllmEvalConfig(policies=["self_info", "kvzip", "snapkv"])
+    engine = VllmEvalConfig(policies=["self_info", "kvzip", "snapkv"])
+    assert not uses_surprisal("save", "self_info", engine)  # the engine scores it itself
+    config = VllmEvalConfig(policies=["self_info", "kvzip", "snapkv"], client_scores=True)
     assert uses_surprisal("save", "self_info", config)
     assert not uses_reconstruction("save", "self_info", config)
     assert not uses_surprisal("load", "self_info", config)

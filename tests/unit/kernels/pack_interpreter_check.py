@@ -5,8 +5,8 @@ Triton kernels are defined). Exits non-zero on a mismatch. Checks:
 
 * ``gather_pages`` / ``scatter_kept`` against their torch references (fresh random pages,
   vLLM 0.26's token-major strides: memory order block -> token -> head -> K|V);
-* a whole :class:`lmcompact.vllm.memory.device_pack.DevicePacker` pack against the reference
-  pack (:func:`lmcompact.vllm.memory.packing.pack_in_place`) on the same pages, per policy.
+* a whole :class:`lmcompact.compaction.device_pack.DevicePacker` pack against the reference
+  pack (:func:`lmcompact.compaction.pack.pack_in_place`) on the same pages, per policy.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
+from lmcompact.compaction.device_pack import DevicePacker
+from lmcompact.compaction.pack import WindowQueries, pack_in_place
+from lmcompact.compaction.page_layout import make_layout
 from lmcompact.kernels.paged_pack import (
     gather_pages,
     gather_pages_reference,
@@ -26,9 +29,6 @@ from lmcompact.kernels.paged_pack import (
     scatter_kept_reference,
 )
 from lmcompact.policies.registry import make_policy
-from lmcompact.vllm.kv_layout import make_layout
-from lmcompact.vllm.memory.device_pack import DevicePacker
-from lmcompact.vllm.memory.packing import WindowQueries, pack_in_place
 
 FAILURES: list[str] = []
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connectors.vllm.reconstruct import PARAMS_KEY, save_allowed, token_scores
+from lmcompact.compaction.page_layout import CpuPageLayout
+from lmcompact.compaction.save_job import SaveJob, compact_job
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
 from lmcompact.policies.self_info import local_mean, surprisal_from_logprobs
 from lmcompact.store import ChunkKeyer, StoreNamespace
-from lmcompact.vllm.compaction import SaveJob, compact_job
-from lmcompact.vllm.kv_layout import CpuPageLayout
-from lmcompact.vllm.reconstruct import PARAMS_KEY, save_allowed, token_scores
 
 
 def _inputs(scores: torch.Tensor, layers: int = 2) -> CompactionInputs:

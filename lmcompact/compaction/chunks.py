@@ -1,0 +1,186 @@
+"""Stored chunks of the connector: built from kept rows, checked against the engine, sized.
+
+Engine-free (torch + lmcompact only). :func:`build_chunk` gathers the kept rows of one
+chunk of a save job (:mod:`lmcompact.compaction.save_job`) into a :class:`CompactedChunk`;
+:func:`chunk_problem` says why a stored chunk cannot load into this engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from lmcompact.plan import KeepPlan
+from lmcompact.store import CompactedChunk
+
+
+class EngineShape(Protocol):
+    """The engine facts a stored chunk must match (an engine connector's facts have them)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """Make one head's kept positions exactly ``count`` long (sorted, unique).
+
+    A head that kept fewer gets the most recent unkept tokens; one that kept more keeps
+    its first ``count // 2`` and last ``count - count // 2`` choices.
+    """
+    n = positions.numel()
+    if n == count:
+        return positions
+    if n > count:
+        head = count // 2
+        return torch.cat([positions[:head], positions[n - (count - head) :]])
+    mask = torch.ones(length, dtype=torch.bool)
+    mask[positions] = False
+    extra = torch.nonzero(mask).flatten()[-(count - n) :]
+    return torch.sort(torch.cat([positions, extra])).values
+
+
+def build_chunk(
+    per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lo: int,
+    chunk_size: int,
+    plan: KeepPlan | None,
+    kept: int,
+    store_dtype: torch.dtype | None,
+    cap: int | None = None,
+) -> CompactedChunk:
+    """Gather kept rows of tokens ``[lo, lo + chunk_size)`` into a :class:`CompactedChunk`.
+
+    Rows are (layer, head)-major, kept tokens in original order; ``plan`` None keeps all.
+    Every (layer, head) keeps ``kept`` tokens (:func:`uniform_keep`), or with ``cap``
+    (``store.per_head``) the plan's own count, clipped to ``cap``.
+    """
+    heads = per_layer[0][0].shape[0]
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    positions_out: list[torch.Tensor] = []
+    counts = torch.zeros(len(per_layer), heads, dtype=torch.int32)
+    for layer, (k, v) in enumerate(per_layer):
+        picked = [_head_keep(plan, layer, head, kept, cap, chunk_size) for head in range(heads)]
+        counts[layer] = torch.tensor([p.numel() for p in picked], dtype=torch.int32)
+        # one gather per layer for all heads over (H, widest) indices; advanced indexing
+        # per head (``k[head, lo + idx]``) took ~8 ms a call on the CPU
+        idx = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True)
+        rows = None
+        if bool((counts[layer] != idx.shape[1]).any()):  # ragged: drop each head's padding
+            rows = torch.arange(idx.shape[1])[None, :] < counts[layer, :, None]
+        keys_out.append(_gather_rows(k[:, lo : lo + chunk_size], idx, rows))
+        values_out.append(_gather_rows(v[:, lo : lo + chunk_size], idx, rows))
+        positions_out.append(torch.cat(picked).to(torch.int32))
+    keys = torch.cat(keys_out)
+    values = torch.cat(values_out)
+    if store_dtype is not None:
+        keys, values = keys.to(store_dtype), values.to(store_dtype)
+    return CompactedChunk(
+        keys=keys.contiguous(),
+        values=values.contiguous(),
+        kept_counts=counts,
+        positions=torch.cat(positions_out).to(keys.device),
+        num_tokens=chunk_size,
+    )
+
+
+def _head_keep(
+    plan: KeepPlan | None, layer: int, head: int, kept: int, cap: int | None, chunk_size: int
+) -> torch.Tensor:
+    """Sorted int64 positions one (layer, head) stores: all (no plan), exactly ``kept``,
+    or with ``cap`` the plan's own (at most ``cap``)."""
+    if plan is None:
+        return torch.arange(chunk_size)
+    chosen = plan.kept[layer][head].to(torch.int64)
+    if cap is None:
+        return uniform_keep(chosen, kept, chunk_size)
+    return uniform_keep(chosen, cap, chunk_size) if chosen.numel() > cap else chosen
+
+
+def _gather_rows(
+    rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(H * K, D)``: rows ``index[h]`` of ``rows[h]`` (``rows`` ``(H, C, D)``, ``index``
+    ``(H, K)``), head-major; with ``valid`` ``(H, K)`` only the True entries."""
+    index = index.to(rows.device)
+    picked = torch.gather(rows, 1, index.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+    if valid is not None:
+        return picked[valid.to(rows.device)]
+    return picked.reshape(-1, rows.shape[-1])
+
+
+def chunk_problem(
+    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int, cap: int | None = None
+) -> str | None:
+    """Why a stored ``chunk`` cannot be loaded into this engine, or None.
+
+    The codec already refused damaged bytes and foreign formats; this checks that a valid
+    chunk fits: layers, heads, head size, dtype, chunk length and kept count (``kept`` for
+    every (layer, head); with ``cap``, per-head counts, each at most ``cap``).
+    """
+    if cap is not None:
+        counts = chunk.kept_counts
+        if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > cap):
+            low, high = int(counts.min()), int(counts.max())
+            return f"holding per-head counts in [{low}, {high}], not <= {cap}"
+    # one count K for every (layer, head), unless per-head counts are allowed
+    expected = (
+        facts.num_layers,
+        facts.num_kv_heads,
+        facts.head_dim,
+        facts.head_dim,
+        facts.dtype,
+        chunk_size,
+        None if cap is not None else kept,
+    )
+    got = (
+        chunk.num_layers,
+        chunk.num_kv_heads,
+        chunk.keys.shape[1],
+        chunk.values.shape[1],
+        chunk.dtype,
+        chunk.num_tokens,
+        None if cap is not None else chunk.uniform_count(),
+    )
+    if got != expected:
+        return f"shaped {got}, not the expected {expected} (layers, heads, dims, dtype, C, K)"
+    pos = chunk.positions
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= chunk.num_tokens):
+        return "holding positions outside the chunk"
+    return None
+
+
+def full_nbytes(chunk: CompactedChunk, head_dim: int) -> int:
+    """Bytes of K and V the chunk would hold uncompacted (every token of every head)."""
+    rows = chunk.num_layers * chunk.num_kv_heads * chunk.num_tokens
+    return rows * 2 * head_dim * chunk.keys.element_size()
+
+
+LOAD_GROUP_BYTES = 256 << 20
+"""Largest run of loaded chunks (or, with per-head counts, of padded layer rows) gathered
+on the cache's device before it is written."""
+
+
+def runs_of_bytes(
+    chunks: list[CompactedChunk], limit: int
+) -> list[tuple[int, list[CompactedChunk]]]:
+    """``(index of the run's first chunk, run)``: consecutive chunks whose K/V bytes stay
+    within ``limit`` (a single larger chunk is a run of its own)."""
+    runs: list[tuple[int, list[CompactedChunk]]] = []
+    size = 0
+    for index, chunk in enumerate(chunks):
+        nbytes = chunk.keys.nbytes + chunk.values.nbytes
+        if not runs or size + nbytes > limit:
+            runs.append((index, []))
+            size = 0
+        runs[-1][1].append(chunk)
+        size += nbytes
+    return runs

@@ -1,0 +1,224 @@
+"""The in-place pack without leaving the GPU: scores, pooling, top-k and K/V copy.
+
+The torch reference (:func:`lmcompact.compaction.pack.plan_pack`) scores layer by layer,
+asks the policy for a :class:`~lmcompact.plan.KeepPlan` and turns it into Python lists of
+indices, which costs a host round trip per layer. Here every step covers all layers and
+heads at once and stays on the device, so the host only launches work::
+
+    pages  = gather_pages(all layers)            (L, T, H, 2D)   1 launch (token-major copy)
+    mass   = window_scores(q, pages[..., :D])    (L, H, T)       3 launches (B = L)
+    scores = policy scorer on (L, H, T)          float64         a few elementwise launches
+    index  = stable descending sort, first K, ascending sort      (L, H, K)
+    scatter_kept(pages, index) -> slots [0, K) of every (layer, head)   1 launch
+
+Selection is the reference's, batched: ties go to the later token, each (layer, head)
+keeps exactly ``K`` sorted indices. No ``.item()``, ``.tolist()`` or ``.cpu()`` on the
+path; the block row and the window positions go up with non-blocking copies.
+
+Block reuse: the hole's blocks return to vLLM's pool in the *next* ``schedule()``; the
+first kernel that can write them is a forward pass launched after this pack on the same
+(current) CUDA stream, so stream order alone guarantees the pack's reads of those blocks
+(the gather) and its writes (the scatter) complete before. The temporary ``pages`` buffer
+goes back to torch's caching allocator, which reuses it only in stream order too.
+
+Policies with a device scorer: ``snapkv``, ``streaming_llm``, ``knorm``
+(:data:`DEVICE_SCORERS`); others take the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lmcompact.compaction.save_job import SCORE_NEEDS
+from lmcompact.kernels import dispatch as kernels
+from lmcompact.policies import CompactionPolicy
+from lmcompact.policies._select import pool_scores
+from lmcompact.policies.base import descending_order
+
+logger = logging.getLogger(__name__)
+
+Scorer = Callable[[CompactionPolicy, "torch.Tensor | None", torch.Tensor, int], torch.Tensor]
+
+
+def _snapkv(policy: CompactionPolicy, mass: torch.Tensor | None, keys: torch.Tensor, kept: int):
+    """SnapKV of every layer at once; equals ``SnapKV.score`` layer by layer."""
+    if mass is None:
+        raise ValueError("snapkv needs window scores")
+    layers, heads, length = mass.shape
+    window = min(int(policy.window_size), kept, length)  # type: ignore[attr-defined]
+    recent = torch.arange(length, device=mass.device) >= length - window  # (T,)
+    prefix = mass.double().masked_fill(recent, 0.0)
+    pooled = pool_scores(
+        prefix.reshape(layers * heads, length),
+        int(policy.kernel_size),  # type: ignore[attr-defined]
+        str(policy.pooling),  # type: ignore[attr-defined]
+    ).view(layers, heads, length)
+    peak = prefix.abs().amax(dim=(1, 2), keepdim=True).clamp(min=1e-30)
+    return (pooled + prefix / peak * 1e-9).masked_fill(recent, float("inf"))
+
+
+def _streaming(policy: CompactionPolicy, mass: torch.Tensor | None, keys: torch.Tensor, kept: int):
+    layers, heads, length = keys.shape[:3]
+    positions = torch.arange(length, device=keys.device, dtype=torch.float64)
+    sinks = int(policy.n_sink)  # type: ignore[attr-defined]
+    score = torch.where(positions < sinks, float(length) + (sinks - positions), positions)
+    return score.expand(layers, heads, length)
+
+
+def _knorm(policy: CompactionPolicy, mass: torch.Tensor | None, keys: torch.Tensor, kept: int):
+    return -torch.linalg.vector_norm(keys.float(), dim=-1).double()
+
+
+DEVICE_SCORERS: dict[str, Scorer] = {
+    "snapkv": _snapkv,
+    "streaming_llm": _streaming,
+    "knorm": _knorm,
+}
+"""Policy name -> ``(policy, mass (L, H, T) | None, keys (L, H, T, D), kept) -> (L, H, T)``
+float64 scores, the same numbers the policy's ``score`` gives layer by layer."""
+
+
+def device_scores(
+    policy: CompactionPolicy, mass: torch.Tensor | None, keys: torch.Tensor, kept: int
+) -> torch.Tensor:
+    """``(L, H, T)`` float64 scores of every layer (+inf forces a keep)."""
+    return DEVICE_SCORERS[policy.name](policy, mass, keys, kept)
+
+
+def select_kept(scores: torch.Tensor, kept: int) -> torch.Tensor:
+    """``(L, H, kept)`` int64 sorted indices of the best ``kept`` of ``(L, H, T)`` scores.
+
+    The reference's order (:func:`lmcompact.policies.base.descending_order`): higher score
+    first, ties to the later token.
+    """
+    layers, heads, length = scores.shape
+    order = descending_order(scores.reshape(layers * heads, length), None)
+    return order[:, :kept].sort(dim=-1).values.view(layers, heads, kept)
+
+
+class DevicePacker:
+    """Packs requests of one engine on the GPU; built once the KV caches are registered.
+
+    Args:
+        kv_layers: per layer ``(num_blocks, H, bs, 2D)`` token-major paged caches, in layer
+            order, all on one CUDA device with one shape and stride.
+        block_size: tokens per block.
+        scale: attention softmax scale.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_size: int, scale: float) -> None:
+        from lmcompact.kernels.paged_pack import layer_pointers
+
+        self.kv_layers = list(kv_layers)
+        self.block_size = block_size
+        self.scale = scale
+        self.device = self.kv_layers[0].device
+        self.ptrs = layer_pointers(self.kv_layers)
+
+    @staticmethod
+    def supports(policy: CompactionPolicy) -> bool:
+        return policy.name in DEVICE_SCORERS
+
+    def pack(
+        self,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        kept: int,
+        policy: CompactionPolicy,
+        queries: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Pack kept tokens of ``[0, num_tokens)`` into slots ``[0, kept)`` of every layer.
+
+        Args:
+            block_ids: the request's block row (at least ``num_tokens / bs`` entries).
+            num_tokens: tokens compacted (whole blocks).
+            kept: tokens each (layer, head) keeps (whole blocks, < num_tokens).
+            policy: a policy with a device scorer.
+            queries: ``(L, Hq, W, D)`` window queries (any dtype/device), or None for
+                policies that need no scores.
+            positions: ``(W,)`` their absolute positions.
+
+        Returns:
+            ``(L, H, kept)`` int64 kept token indices, on the device.
+        """
+        from lmcompact.kernels.paged_pack import gather_pages, scatter_kept
+
+        bs = self.block_size
+        nb = num_tokens // bs
+        row = torch.tensor(list(block_ids[:nb]), dtype=torch.int64)
+        row = row.to(self.device, non_blocking=True)
+        pages = gather_pages(self.kv_layers, self.ptrs, row)  # (L, T, H, 2D)
+        d = pages.shape[-1] // 2
+        keys = pages[..., :d].permute(0, 2, 1, 3)  # (L, H, T, D) view, head_dim contiguous
+        mass = None
+        if policy.needs & SCORE_NEEDS:
+            if queries is None or positions is None:
+                raise ValueError(f"{policy.name} needs window queries for a device pack")
+            q = queries.to(self.device, keys.dtype, non_blocking=True).contiguous()
+            mass = kernels.window_scores(
+                q,
+                keys,
+                query_positions=positions.to(self.device, non_blocking=True),
+                scale=self.scale,
+            )
+        index = select_kept(device_scores(policy, mass, keys, kept), kept)
+        scatter_kept(self.kv_layers, self.ptrs, row, pages, index)
+        return index
+
+    def warm_up(
+        self,
+        policy: CompactionPolicy,
+        query_heads: int,
+        window: int,
+        max_tokens: int,
+        budget: float,
+    ) -> list[tuple[int, float]]:
+        """Compile and autotune every kernel the packs of this engine will use.
+
+        The window-score kernels tune once per power-of-two length from
+        ``TUNE_MIN_TOKENS``; one pack per such length up to ``max_tokens`` (and one short
+        one) covers every shape a request can bring. Packs garbage blocks of a pool that
+        holds no request yet.
+
+        Returns:
+            ``(tokens, seconds)`` per warm-up pack.
+        """
+        from lmcompact.kernels.window_scores import TUNE_MIN_TOKENS
+
+        bs = self.block_size
+        capacity = (self.kv_layers[0].shape[0] - 1) * bs  # block 0 is vLLM's null block
+        top = min(max_tokens, capacity)
+        lengths = [min(top, 1024)]
+        length = TUNE_MIN_TOKENS
+        while length // 2 < top and length <= 1 << 20:
+            lengths.append(min(length, top))
+            length *= 2
+        done: list[tuple[int, float]] = []
+        two_d = self.kv_layers[0].shape[-1]
+        for tokens in dict.fromkeys(t // bs * bs for t in lengths if t >= 2 * bs):
+            kept = max(bs, int(tokens * budget) // bs * bs)
+            if kept >= tokens:
+                continue
+            queries = positions = None
+            if policy.needs & SCORE_NEEDS:
+                gen = torch.Generator(device=self.device).manual_seed(tokens)
+                queries = torch.randn(
+                    len(self.kv_layers),
+                    query_heads,
+                    window,
+                    two_d // 2,
+                    device=self.device,
+                    generator=gen,
+                ).to(self.kv_layers[0].dtype)
+                positions = torch.arange(tokens - window, tokens, device=self.device)
+            began = time.perf_counter()
+            self.pack(range(1, tokens // bs + 1), tokens, kept, policy, queries, positions)
+            torch.cuda.synchronize(self.device)
+            done.append((tokens, time.perf_counter() - began))
+        logger.info("device pack warm-up (tokens, s): %s", done)
+        return done

@@ -1,0 +1,41 @@
+"""Quantized stored chunks on CUDA: the same bytes and rows as the CPU's (skipped without a
+GPU). A quantizing store dequantizes a device chunk on its device for the memory tiers,
+while a Redis reader decodes the value on the host: both must get the same rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcompact.store.chunk import CompactedChunk
+from lmcompact.store.quant import QUANT_DTYPES, dequantize_payload, quantize_payload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", [m for m in ("int8", "fp8") if m in QUANT_DTYPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 3, 40, 64), (4, 2, 33, 80), (32, 8, 256, 128)])
+def test_cuda_and_cpu_write_and_read_the_same_bytes(mode, dtype, shape) -> None:
+    layers, heads, tokens, dim = shape
+    g = torch.Generator().manual_seed(0)
+    magnitude = 10.0 ** torch.randint(-5, 5, (layers, heads, tokens, 1), generator=g)
+    k = (torch.randn(*shape, generator=g) * magnitude).to(dtype)
+    v = (torch.randn(*shape, generator=g) * magnitude.flip(2)).to(dtype)
+    k[0, 0, 1] = 0
+    host = CompactedChunk.from_dense(k, v)
+    device = CompactedChunk.from_dense(k.cuda(), v.cuda())
+    payload, on_device = quantize_payload(host, mode), quantize_payload(device, mode)
+    assert payload is not None and on_device is not None
+    assert torch.equal(payload, on_device.cpu())  # every step exact or correctly rounded
+    rows = (host.kept_counts, tokens, dim, dim, mode, dtype)
+    a, b = dequantize_payload(payload, *rows), dequantize_payload(on_device, *rows)
+    assert b.device.type == "cuda"
+    assert same(a.keys, b.keys) and same(a.values, b.values) and same(a.positions, b.positions)

@@ -1,0 +1,1 @@
+"""Test support shared across the suite (helpers that are not tests themselves)."""
