@@ -280,8 +280,9 @@ class StoreOptions:
             stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
             ``none``, never mixed with compacted entries) and the loading request's own
             prefill packs them in place with the policy, its window being that request's
-            tail (its question); needs the ``"release"`` group with a compacting
-            ``prefill`` mode. ``"both"``: two stages. Chunks are stored compacted by the
+            tail (its question); it needs the ``"release"`` group with a compacting
+            ``prefill`` mode, which it turns on with its defaults when the options do not
+            name the group. ``"both"``: two stages. Chunks are stored compacted by the
             query-agnostic ``store.policy`` at ``store.budget`` (the bytes in the store);
             the loading request's prefill then packs the loaded prefix and its own tail in
             place to ``budget`` with ``policy``, whose window holds that request's question
@@ -424,7 +425,8 @@ class ConnectorConfig:
         if "memory" in top:
             raise ValueError(f'{EXTRA} "memory" is now the "release" group: rename the key')
         store = _store_group(top)
-        group = _release_group(top)
+        implied = RELEASE_KEY not in top and store.compact_on in ("load", "both")
+        group = ReleaseOptions() if implied else _release_group(top)
         config = parse(cls, top, EXTRA, store=store, release=group)
         return config
 
@@ -450,7 +452,8 @@ class ConnectorConfig:
                 raise ValueError(
                     f"compact_on {self.store.compact_on!r} compacts stored prefixes in the "
                     "loading request's prefill, but the connector packs prompts in place only "
-                    'with a "release" group; add "release": {"prefill": "auto"}'
+                    'with a "release" group, which "release": false turns off (leave it out: '
+                    "compact_on 'load' and 'both' turn it on with its defaults)"
                 )
             return
         mode = self.release_mode

@@ -77,7 +77,7 @@ def test_stored_whole_then_packed_at_load(smollm2_path: Path) -> None:
 @pytest.mark.parametrize(
     ("policy", "release", "match"),
     [
-        ("snapkv", None, "packs prompts"),
+        ("snapkv", False, "packs prompts"),
         ("snapkv", {"prefill": "off"}, "release.prefill must be"),
         ("kvzip", {"prefill": "pack"}, "does not compute"),
     ],
@@ -85,12 +85,11 @@ def test_stored_whole_then_packed_at_load(smollm2_path: Path) -> None:
 def test_load_needs_an_in_place_pack(
     tmp_path: Path,
     policy: str,
-    release: dict[str, str] | None,
+    release: dict[str, str] | bool,
     match: str,
 ) -> None:
     model = str(build_tiny_llama(tmp_path / "llama"))
     extra: dict[str, Any] = {"policy": policy, "budget": 0.5, "store": {"compact_on": "load"}}
-    if release is not None:
-        extra["release"] = release
+    extra["release"] = release
     with pytest.raises(Exception, match=match), release_engine(model, extra):
         pass

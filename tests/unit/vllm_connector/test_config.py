@@ -135,9 +135,14 @@ def test_mode_and_budget_checks_against_engine() -> None:
 
 
 def test_cross_group_checks_need_no_engine() -> None:
+    implied = ConnectorConfig.from_extra(
+        {"policy": "snapkv", "budget": 0.5, "store": {"compact_on": "load"}}
+    )
+    assert implied.release == ReleaseOptions()  # compact_on "load" turns the group on
+    assert implied.release_mode is PrefillMode.PACK
     with pytest.raises(ValueError, match="packs prompts in place only with"):
         ConnectorConfig.from_extra(
-            {"policy": "snapkv", "budget": 0.5, "store": {"compact_on": "load"}}
+            {"policy": "snapkv", "budget": 0.5, "store": {"compact_on": "load"}, "release": False}
         )
     with pytest.raises(ValueError, match=r"release\.prefill must be 'pack', 'blocks' or 'auto'"):
         ConnectorConfig.from_extra(

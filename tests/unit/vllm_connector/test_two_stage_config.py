@@ -41,7 +41,7 @@ def test_the_store_selection_has_its_own_namespace() -> None:
     ("extra", "match"),
     [
         ({**BOTH, "budget": 0.5}, "must be above budget"),
-        ({k: v for k, v in BOTH.items() if k != "release"}, '"release" group'),
+        ({**BOTH, "release": False}, '"release" group'),
         (
             {
                 **BOTH,
@@ -92,3 +92,8 @@ def test_query_aware_store_selection_is_warned_about(
     assert bool(lines) == warned, lines
     if warned:
         assert 'compact_on": "both"' in lines[0] and "expected_attention" in lines[0]
+
+
+def test_both_turns_the_release_group_on_when_it_is_not_named() -> None:
+    implied = ConnectorConfig.from_extra({k: v for k, v in BOTH.items() if k != "release"})
+    assert implied.release is not None and implied.two_stage
