@@ -17,7 +17,7 @@ set -euo pipefail
 MODEL="${MODEL:-$HOME/.cache/lmcompact/models/smollm2-135m-instruct}"
 PORT="${PORT:-8011}"
 PYTHON="${PYTHON:-python}"
-POLICY="${POLICY:-snapkv}"
+POLICY="${POLICY:-self_info}"
 BUDGET="${BUDGET:-0.5}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LOG="${LOG:-$(mktemp -t lmcompact-serve.XXXXXX.log)}"

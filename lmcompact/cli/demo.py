@@ -22,7 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="snapkv", help="compaction policy (default snapkv)")
+    parser.add_argument(
+        "--policy",
+        default="self_info",
+        help="compaction policy of the stored prefix (default self_info, scored in the engine)",
+    )
     parser.add_argument("--budget", type=float, default=0.5, help="kept fraction (default 0.5)")
     parser.add_argument(
         "--context-tokens", type=int, default=1500, help="haystack length in tokens (default 1500)"
