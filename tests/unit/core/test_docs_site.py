@@ -58,3 +58,16 @@ def test_site_builds_strict_and_its_index_links_every_page(tmp_path: Path) -> No
     assert len(pages) >= 15, pages
     unlinked = [page for page in pages if f'href="{page}"' not in index]
     assert not unlinked, f"pages the site's home page does not link: {unlinked}"
+
+
+def test_policies_page_has_a_row_for_every_built_in_policy() -> None:
+    from lmcompact.policies.registry import _BUILTIN
+
+    page = (ROOT / "docs" / "policies.md").read_text()
+    keeps = page.split("## What each keeps", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \|", keeps, flags=re.MULTILINE))
+    missing = sorted(set(_BUILTIN) - rows)
+    assert not missing, (
+        f"docs/policies.md has no row for {missing} in 'What each keeps, and the paper' "
+        "(what it keeps, what it reads, its paper); add it to 'Where each runs' too"
+    )
