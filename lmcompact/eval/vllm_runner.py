@@ -46,6 +46,7 @@ from lmcompact.eval import tasks
 from lmcompact.eval.vllm_cells import (
     BASELINE,
     MODES,
+    STORED_MODES,
     TASKS,
     Case,
     VllmEvalConfig,
@@ -117,10 +118,11 @@ def run_cell(
     repeat_ids = list(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
 
     rows: list[dict[str, Any]] = []
-    stored_modes = ("save", "load", "both")
+    stored_modes = STORED_MODES
     for case in cases:
         warm_s = None
         recon_s = None
+        store_bytes: dict[str, float] = {}
         if mode in stored_modes:
             before = offline.request_counters(llm)
             began = time.perf_counter()
@@ -133,6 +135,10 @@ def run_cell(
             warm_s = time.perf_counter() - began
             after = offline.request_counters(llm)
             recon_s = _delta(after, before, "reconstruct_s")
+            store_bytes = {
+                key: _delta(after, before, key)
+                for key in ("bytes_stored", "bytes_full", "bytes_full_bf16")
+            }
             if _delta(after, before, "hit_chunks"):
                 logger.error(
                     "the first request of %s sample %d hit the store: the namespace is not fresh",
@@ -161,7 +167,9 @@ def run_cell(
                 ),
                 "reconstruct_s": recon_s,
                 "expected_hit_chunks": expected,
+                "prompt_blocks": len(case.stored.prompt(q)) // offline.DEFAULT_BLOCK_SIZE,
             }
+            row.update(store_bytes)
             for key in ("hit_chunks", "packs", "blocks_released", "holes_adopted", "pack_s"):
                 row[key] = _delta(after, before, key)
             if row["hit_chunks"] != expected:
