@@ -11,11 +11,14 @@ reference page is the caller's choice (``scripts/gen_options_doc.py`` for the co
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import itertools
 import json
 import re
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 _ATTRIBUTE = re.compile(r"^(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
@@ -137,6 +140,34 @@ def option_docs(
             )
         )
     return docs
+
+
+def documented_constants(module: ModuleType) -> dict[str, tuple[Any, str]]:
+    """Module-level names with an attribute docstring (a string right after the assignment):
+    name -> (its value now, the docstring as Markdown)."""
+    found: dict[str, tuple[Any, str]] = {}
+    body = ast.parse(inspect.getsource(module)).body
+    for node, after in itertools.pairwise(body):
+        target: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target = node.target
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        docstring = after.value if isinstance(after, ast.Expr) else None
+        doc = docstring.value if isinstance(docstring, ast.Constant) else None
+        if isinstance(target, ast.Name) and isinstance(doc, str) and hasattr(module, target.id):
+            text = " ".join(inspect.cleandoc(doc).split())
+            found[target.id] = (getattr(module, target.id), markdown(text))
+    return found
+
+
+def constants_table(constants: dict[str, tuple[Any, str]]) -> str:
+    """A Markdown table: name | value (JSON) | meaning."""
+    rows = ["| name | value | meaning |", "|---|---|---|"]
+    for name, (value, doc) in constants.items():
+        shown = list(value) if isinstance(value, tuple) else value
+        rows.append(f"| `{name}` | `{json.dumps(shown)}` | {_cell(doc)} |")
+    return "\n".join(rows) + "\n"
 
 
 def markdown_table(docs: list[OptionDoc], link_details: bool = True) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"
 sys.path.insert(0, str(ROOT))
 
+import connectors.vllm.config as config_module  # noqa: E402
 from connectors.vllm.config import (  # noqa: E402
     CONNECTOR_NAME,
     EXTRA,
@@ -30,7 +32,13 @@ from connectors.vllm.config import (  # noqa: E402
     ReleaseOptions,
     StoreOptions,
 )
-from lmcompact.options_doc import markdown_details, markdown_table, option_docs  # noqa: E402
+from lmcompact.options_doc import (  # noqa: E402
+    constants_table,
+    documented_constants,
+    markdown_details,
+    markdown_table,
+    option_docs,
+)
 
 GROUPS = {
     "store": ("object, true or false", "`{}` (on)", "the options below; `false`: off"),
@@ -105,6 +113,20 @@ def policy_defaults_section() -> str:
     )
 
 
+def named_values_section(text: str) -> str:
+    """The module's documented constants that the options' text names (`NAME`), with their
+    values now, so that "STORE_BUDGET_FACTOR times budget" reads with its number."""
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", text)) - {"POLICY_DEFAULTS"}
+    constants = documented_constants(config_module)
+    shown = {name: constants[name] for name in sorted(named) if name in constants}
+    if not shown:
+        return ""
+    return (
+        "## Named values\n\nConstants of `connectors/vllm/config.py` that the options above "
+        "name.\n\n" + constants_table(shown)
+    )
+
+
 def render() -> str:
     parts = [HEADER]
     for title, prefix, cls, intro in SECTIONS:
@@ -114,6 +136,9 @@ def render() -> str:
         if details:
             parts.append(details)
     parts.append(policy_defaults_section())
+    values = named_values_section("\n".join(parts))
+    if values:
+        parts.append(values)
     return "\n".join(parts)
 
 

@@ -8,6 +8,7 @@ equal what ``scripts/gen_options_doc.py`` generates now.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from lmcompact.options import boolean, integer, option
 from lmcompact.options_doc import (
     UndocumentedOptionError,
     attribute_docs,
+    documented_constants,
     first_sentence,
     markdown,
     markdown_table,
@@ -79,6 +81,23 @@ def test_table_rows_link_details_when_the_docstring_says_more() -> None:
     table = markdown_table(option_docs(ReleaseOptions, "release."))
     row = next(line for line in table.splitlines() if line.startswith("| `release.prefill`"))
     assert '`"auto"`' in row and "[more](#releaseprefill)" in row
+
+
+def test_documented_constants_pair_values_with_the_docstring_after_them(tmp_path: Path) -> None:
+    source = tmp_path / "consts.py"
+    source.write_text(
+        'FACTOR = 1.8\n"""How much more the ``store`` keeps."""\n'
+        "PLAIN = 3\n"
+        'NAMES: tuple[str, ...] = ("a", "b")\n"""The names,\n    over two lines."""\n'
+    )
+    spec = importlib.util.spec_from_file_location("consts", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert documented_constants(module) == {
+        "FACTOR": (1.8, "How much more the `store` keeps."),
+        "NAMES": (("a", "b"), "The names, over two lines."),
+    }
 
 
 def test_configuration_page_is_generated_from_the_current_options() -> None:
