@@ -25,7 +25,7 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     No store: every question request computes the whole prompt and packs it in place.
 
 A full-cache row (policy ``none``, ``compact_on`` ``none``) comes from a plain engine on
-the same prompts. One engine serves all prompts of a (model, context length, mode, policy,
+the same prompts, with vLLM's own prefix cache on (the questions of one context share it). One engine serves all prompts of a (model, context length, mode, policy,
 budget) cell; its store namespace is fresh (a per-cell ``model_id``) and every context
 differs, so a hit is always on what the cell itself stored. Each row records the store
 hits and packs its request caused, so a miss cannot pass for a compacted answer.
@@ -254,6 +254,9 @@ def run_vllm_eval(config: VllmEvalConfig, progress_factory: Any = None) -> list[
                         # prompt logprobs hold (step tokens x vocab) floats a few times over:
                         # 4k x 262k (Gemma-3) in one step ran out of memory here
                         max_num_batched_tokens=SURPRISAL_STEP if surprisal else None,
+                        # the full cache's questions share their context: vLLM's own prefix
+                        # cache prefills it once (exact KV, several times faster on a CPU)
+                        prefix_caching=mode == BASELINE,
                     )
                 except Exception as error:  # a refused config is a result, not a crash
                     logger.error("%s %s %s refused: %s", mode, policy, budget, error)
