@@ -141,6 +141,7 @@ class Worker:
         # in-engine surprisal (store.token_scores "engine"): per request (prompt_len,)
         # scores, and this step's rows to score after the forward pass
         self._surprisal: dict[str, torch.Tensor] = {}
+        self._load_device: torch.device | None = None  # set with the KV caches
         self._surprisal_rows: dict[str, tuple[torch.Tensor, wire.SurprisalSpec]] = {}
         self.engine_scores = (
             self.policy.scores_given and config.store.token_scores == "engine" and config.store.save
@@ -192,6 +193,13 @@ class Worker:
         if missing:
             raise ValueError(f"no KV cache registered for attention layers {missing[:3]}")
         self.kv_caches = {name: kv_caches[name] for name in self.layers}
+        first_cache = next(iter(self.kv_caches.values()), None)
+        # a quantized host tier dequantizes loaded chunks where the pages live
+        self._load_device = (
+            first_cache.device
+            if isinstance(first_cache, torch.Tensor) and first_cache.is_cuda
+            else None
+        )
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
         if len(self.layers) != self.facts.num_layers:
             raise ValueError(
@@ -725,7 +733,7 @@ class Worker:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
         keys = self.slice_keys(load.keys)
         try:
-            found = self.store.get_many(keys)
+            found = self.store.get_many(keys, self._load_device)
         except Exception:  # tiers answer misses for faults; this is a last guard
             logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
             found = [None] * len(load.keys)
