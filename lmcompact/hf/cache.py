@@ -74,7 +74,8 @@ class CompactingCache(Cache):
             ``window_size`` if it has one, else 32.
         decode_slack: Decode-time policies re-plan a layer once its longest head
             exceeds its post-prefill size by this many tokens (amortizes the cost;
-            0 re-plans every step).
+            0 re-plans every step); None: ``interval - 1`` for a policy with an
+            ``interval`` (every ``interval`` generated tokens), else 16.
         decode_compaction: Whether decode-time policies run during generation.
         tokenizer: Needed by policies that read token classes (FastGen).
         **policy_params: Hyper-parameters for a policy given by name.
@@ -87,7 +88,7 @@ class CompactingCache(Cache):
         *,
         budget: float | int | str | None = None,
         window_size: int | None = None,
-        decode_slack: int = 16,
+        decode_slack: int | None = None,
         decode_compaction: bool = True,
         tokenizer: Any = None,
         auto_compact: bool = True,
@@ -99,8 +100,6 @@ class CompactingCache(Cache):
                 f"the model uses {model.config._attn_implementation!r} attention; call "
                 "lmcompact.hf.enable_lmcompact_attention(model) first"
             )
-        if decode_slack < 0:
-            raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
         if isinstance(policy, str):
             if budget is not None:
                 policy_params["budget"] = budget
@@ -121,6 +120,11 @@ class CompactingCache(Cache):
         self.window_size = int(window_size or own_window or DEFAULT_WINDOW)
         if self.window_size <= 0:
             raise ValueError(f"window_size must be > 0, got {self.window_size}")
+        if decode_slack is None:
+            interval = getattr(policy, "interval", None)
+            decode_slack = 16 if interval is None else int(interval) - 1
+        if decode_slack < 0:
+            raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
         self.decode_slack = decode_slack
         self.decode_compaction = decode_compaction and Phase.DECODE in policy.phases
         self.wants_decode_mass = self.decode_compaction and bool(
@@ -159,8 +163,14 @@ class CompactingCache(Cache):
             "decode_compactions": 0.0,
         }
         accumulate = Need.CUMULATIVE_SCORES in self.needs
+        # a window of the last decode queries, for policies that score by more than one
+        self.decode_window = self.window_size if self.wants_decode_mass else 0
+        if self.decode_window == 1 or Need.CUMULATIVE_SCORES in self.needs:
+            self.decode_window = 0  # the last step's key mass is that window
         layers: list[Any] = [
-            CompactingLayer(i, key_mass=self.wants_decode_mass, accumulate=accumulate)
+            CompactingLayer(
+                i, key_mass=self.wants_decode_mass, accumulate=accumulate, window=self.decode_window
+            )
             for i in range(self.num_layers)
         ]
         super().__init__(layers=layers)
@@ -434,7 +444,14 @@ class CompactingCache(Cache):
             assert layer.ragged is not None
             if int(layer.ragged.lengths().max()) > target + self.decode_slack:
                 layer.ragged = replan_layer(
-                    self.policy, self.needs, layer.ragged, layer.last_mass, target
+                    self.policy,
+                    self.needs,
+                    layer.ragged,
+                    layer.last_mass,
+                    target,
+                    recent_queries=layer.recent_queries,
+                    recent_positions=layer.recent_positions,
+                    scale=self.attention_scale,
                 )
                 replanned = True
             layer.last_mass = None
