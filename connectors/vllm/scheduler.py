@@ -769,12 +769,15 @@ class Scheduler:
             first = hole.start if old_stop is None else old_stop
             if hole.start > planner.sink_blocks and self._h2o_owned(req_id):
                 ids = [block.block_id for block in row]  # the merged blocks, before release
+                bs = self.block_size
                 self._next.merges.append(
                     MergeJob(
                         req_id,
                         tuple(ids[: hole.start]),
                         tuple(ids[first : hole.stop]),
-                        planner.sink_blocks * self.block_size,
+                        planner.sink_blocks * bs,
+                        tuple(ids[hole.stop : -(-processed // bs)]),
+                        processed - hole.stop * bs,
                     )
                 )
         self._release(req_id)

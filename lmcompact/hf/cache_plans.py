@@ -127,6 +127,8 @@ def replan_layer(
         )
     keep: list[torch.Tensor] = []
     for b in range(ragged.batch_size):
+        attention: torch.Tensor | None
+        window: torch.Tensor | None
         if rows is not None:
             attention = rows[b]
             window = attention.sum(dim=1)
