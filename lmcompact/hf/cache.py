@@ -77,6 +77,9 @@ class CompactingCache(Cache):
             0 re-plans every step); None: ``interval - 1`` for a policy with an
             ``interval`` (every ``interval`` generated tokens), else 16.
         decode_compaction: Whether decode-time policies run during generation.
+        decode_budget: Tokens per (layer, head) that decode-time policies re-plan back to
+            (a decode budget, as vLLM's ``release.decode_budget_tokens``); None: each
+            layer's longest head after the prefill compaction.
         tokenizer: Needed by policies that read token classes (FastGen).
         **policy_params: Hyper-parameters for a policy given by name.
     """
@@ -90,6 +93,7 @@ class CompactingCache(Cache):
         window_size: int | None = None,
         decode_slack: int | None = None,
         decode_compaction: bool = True,
+        decode_budget: int | None = None,
         tokenizer: Any = None,
         auto_compact: bool = True,
         **policy_params: Any,
@@ -126,6 +130,9 @@ class CompactingCache(Cache):
         if decode_slack < 0:
             raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
         self.decode_slack = decode_slack
+        if decode_budget is not None and decode_budget < 1:
+            raise ValueError(f"decode_budget must be >= 1 token, got {decode_budget}")
+        self.decode_budget = decode_budget
         self.decode_compaction = decode_compaction and Phase.DECODE in policy.phases
         self.wants_decode_mass = self.decode_compaction and bool(
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
@@ -420,7 +427,9 @@ class CompactingCache(Cache):
             layer.observations = None
         self.plans = plans
         everything = all(p.total_kept == p.total_slots for p in plans)
-        if self.decode_compaction and not everything:
+        if self.decode_compaction and self.decode_budget is not None:
+            self.decode_targets = [self.decode_budget] * len(layers)
+        elif self.decode_compaction and not everything:
             longest = torch.stack([p.kept_counts() for p in plans]).amax(dim=(0, 2))
             self.decode_targets = [int(n) for n in longest]
         if self._hook is not None:
