@@ -28,8 +28,8 @@ class DecodingSnapKV(SnapKV):
 
     Attributes:
         interval: Generated tokens between two re-compactions (kvpress's
-            ``compression_interval``); integrations with block-granular caches round it to
-            their block size.
+            ``compression_interval``) in the transformers cache; the vLLM connector
+            re-compacts whenever a block leaves its decode budget (every block of tokens).
     """
 
     name = "decoding_snapkv"

@@ -39,7 +39,8 @@ class RKV(ScorePolicy):
             authors' code: 0.07).
         similarity_threshold: Cosine similarity above which two keys are near-duplicates
             (0.5).
-        interval: Generated tokens between two re-compactions during decode.
+        interval: Generated tokens between two re-compactions in the transformers cache
+            (the vLLM connector re-compacts whenever a block leaves its decode budget).
     """
 
     name = "rkv"

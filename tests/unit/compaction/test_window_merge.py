@@ -143,3 +143,33 @@ def test_observer_keeps_the_last_window_of_queries() -> None:
     assert kept[1].shape == (W, H * G, D)
     observer.begin_step([], {}, ["r"])
     assert "r" not in observer.queries
+
+
+def test_a_custom_score_policy_is_a_decode_policy() -> None:
+    """A plain ScorePolicy subclass, registered, is accepted as ``release.decode_policy``."""
+    from dataclasses import dataclass
+
+    from connectors.vllm.config import ReleaseOptions
+    from lmcompact.policies import Need, Phase, ScorePolicy, register_policy
+
+    @register_policy
+    @dataclass
+    class NewestKeys(ScorePolicy):
+        name = "test_newest_keys"
+        needs = Need.KEYS
+        phases = Phase.BOTH
+        window_size: int = 4
+
+        def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
+            return inputs.positions_or_arange().double()
+
+    options = ReleaseOptions(
+        decode_budget_tokens=6 * 32, decode_policy="test_newest_keys", decode_policy_params={}
+    )
+    assert options.merges and options.needs_piecewise
+    assert isinstance(options.decode_policy_object(), NewestKeys)
+    assert options.decode_recent_blocks(32) == 3
+    with pytest.raises(ValueError, match="decode score policy"):
+        ReleaseOptions(decode_budget_tokens=64, decode_policy="snapkv")
+    with pytest.raises(ValueError, match="needs a policy name"):
+        ReleaseOptions(decode_budget_tokens=64, decode_policy_params={"window_size": 2})
