@@ -64,6 +64,7 @@ from lmcompact.compaction.page_layout import PageLayout, make_layout
 from lmcompact.compaction.per_head import head_rows, layer_runs, on_device
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
+from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
@@ -111,7 +112,7 @@ class Worker:
         # made at register: per-head recompute (store.per_head or release.per_head), H2O
         # decode scores, the GPU packer
         self.perhead: PerHeadAttention | None = None
-        self.heavy: HeavyHitterScores | None = None
+        self.heavy: HeavyHitterScores | WindowScores | None = None
         self.device_packer: DevicePacker | None = None
         self.warm_up_s: list[tuple[int, float]] = []
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
@@ -958,7 +959,10 @@ class Worker:
         self._refuse_with_sliding_layers()
         if planner.per_head_slack is not None:
             self.perhead = self._observer(PerHeadAttention)
-        if planner.decode_recent_blocks is not None:
+        decode = None if self.config.release is None else self.config.release.decode_policy_object()
+        if planner.decode_recent_blocks is not None and decode is not None:
+            self.heavy = self._observer(WindowScores, policy=decode, window=decode_window(decode))
+        elif planner.decode_recent_blocks is not None:
             self.heavy = self._observer(HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads)
         if self.perhead is not None or self.heavy is not None:
             # both read this step's holes inside attention layers, on uncut metadata
