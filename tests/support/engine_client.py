@@ -36,7 +36,7 @@ class EngineClient:
         multiprocess: bool = False,
     ) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.log: IO[str] = tempfile.TemporaryFile("w+")  # vLLM's output, shown on failure
+        self.log: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close())
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "tests.support.engine_session",

@@ -2,10 +2,12 @@
 
 SmolLM2-135M in float32 (so a reload is token-identical, design notes 3). Each engine runs
 in-process inside its own session process (vLLM's multiprocess mode works the same way,
-``EngineClient(multiprocess=True)``, but starts in ~60 s instead of ~18 s here). Engine A computes a prompt and stores its chunks in the cluster; engine
-B, which never saw the prompt, finds them there (its scheduler asks the cluster) and loads
-them. Then a node is killed between the passes: B serves the chunks before the first one
-on that node from the cluster and recomputes the rest, and no request fails.
+``EngineClient(multiprocess=True)``, but starts in ~60 s instead of ~18 s here).
+
+Engine A computes a prompt and stores its chunks in the cluster; engine B, which never saw
+the prompt, finds them there (its scheduler asks the cluster) and loads them. Then a node
+is killed between the passes: B serves the chunks before the first one on that node from
+the cluster and recomputes the rest, and no request fails.
 """
 
 from __future__ import annotations
