@@ -168,3 +168,49 @@ def test_cluster_url_parsing():
     assert address.seeds == (("10.0.0.1", 7000), ("10.0.0.2", 7001))
     assert (address.username, address.password, address.tls) == ("u", "p@ss", True)
     assert "p@ss" not in address.redacted()
+
+
+def test_a_moved_slot_is_followed(redis_cluster):
+    """A slot moved to another node (as in resharding) answers MOVED: the tier reloads the
+    slot map and sends the command again to the new owner, in the same call."""
+    tier = cluster_tier(redis_cluster.url)
+    assert tier.put(KEYS[0], make_chunk(0))
+    rkey = tier.redis_key(KEYS[0])
+    source = redis_cluster.node_of(rkey)
+    target = (source + 1) % 3
+    nodes = [redis.Redis(port=n.port) for n in redis_cluster.nodes]
+    ids = [c.cluster("myid") for c in nodes]
+    ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+    slot = int(nodes[0].cluster("keyslot", rkey))
+    nodes[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+    nodes[source].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+    port = redis_cluster.nodes[target].port
+    nodes[source].execute_command("MIGRATE", "127.0.0.1", port, "", 0, 5000, "KEYS", rkey)
+    for c in nodes:
+        c.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+    assert redis_cluster.node_of(rkey) == target
+    got = tier.get(KEYS[0])  # the stale map sends it to the source first
+    assert got is not None and same_chunk(got, make_chunk(0))
+    assert tier.metrics()["errors"] == 0 and tier.healthy
+    assert tier.put(KEYS[0], make_chunk(0))  # the new map routes directly
+    tier.close()
+
+
+def test_bench_store_on_a_private_cluster(tmp_path):
+    """``bench store --redis-cluster 3`` starts its own cluster and compares the tier with
+    redis-py's RedisCluster pipeline on it."""
+    import argparse
+    import json
+
+    from lmcompact.bench import store as bench_store
+
+    parser = argparse.ArgumentParser()
+    bench_store.add_arguments(parser)
+    argv = ["--layers", "2", "--kv-heads", "2", "--chunk-tokens", "64", "--chunks", "6",
+            "--iters", "1", "--repeats", "2", "--budgets", "0.5", "--redis-cluster", "3",
+            "--json", str(tmp_path / "s.json")]  # fmt: skip
+    assert bench_store.run(parser.parse_args(argv)) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["redis"].startswith("redis+cluster://127.0.0.1:")
+    row = result["rows"][0]
+    assert row["redis_vs_raw"] > 0 and row["raw_get_gbps"] > 0 and row["redis_put_gbps"] > 0
