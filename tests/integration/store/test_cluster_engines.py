@@ -76,10 +76,12 @@ def test_a_prefix_stored_by_one_engine_is_a_compacted_hit_on_another(
         wait_for_keys(redis_cluster, keys)
         own = a.generate(prompt, MAX_TOKENS)  # A loads from its own store (its CPU tier)
         shared = b.generate(prompt, MAX_TOKENS)  # B loads A's chunks from the cluster
+        b_own = b.generate(prompt, MAX_TOKENS)  # B again: from its CPU tier (promoted there)
     stored = len(keys) * CHUNK
     assert len(keys) >= 3 and first["cached"] == 0
-    assert own["cached"] == stored and shared["cached"] == stored, (own, shared)
-    assert shared["tokens"] == own["tokens"]
+    for out in (own, shared, b_own):
+        assert out["cached"] == stored, (own, shared, b_own)
+    assert shared["tokens"] == own["tokens"] == b_own["tokens"]
     full = 30 * 3 * CHUNK * 64 * 2 * 4  # layers x kv heads x tokens x dims x (K, V) x fp32
     assert all(value_bytes(redis_cluster, k) <= (BUDGET + 0.05) * full for k in keys)
     owners = {redis_cluster.node_of(k.encode()) for k in keys}

@@ -214,3 +214,35 @@ def test_bench_store_on_a_private_cluster(tmp_path):
     assert result["redis"].startswith("redis+cluster://127.0.0.1:")
     row = result["rows"][0]
     assert row["redis_vs_raw"] > 0 and row["raw_get_gbps"] > 0 and row["redis_put_gbps"] > 0
+
+
+def test_full_cluster_evicts_or_refuses_without_errors_for_requests():
+    """Nodes under maxmemory: with LRU eviction old chunks vanish (misses, the newest stay);
+    without eviction Redis refuses SETs (OOM): failed puts, counted, never a raise."""
+    lru = ["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]
+    with RedisClusterProcess(extra_args=lru) as cluster:
+        tier = cluster_tier(cluster.url)
+        for i in range(24):  # ~0.4 MB each, ~10 MB in all over 9 MB of maxmemory
+            assert tier.put(KEYS[i], make_chunk(i, kept=128, dim=64))
+        present = tier.contains_many(KEYS[:24])
+        assert present[-1] and not all(present)
+        got = tier.get_many(KEYS[:24])
+        assert [g is not None for g in got] == present
+        assert tier.healthy and tier.metrics()["errors"] == 0
+    refuse = ["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"]
+    with RedisClusterProcess(extra_args=refuse) as cluster:
+        tier = cluster_tier(cluster.url)
+        ok = tier.put_many([(KEYS[i], make_chunk(i, kept=128, dim=64)) for i in range(24)])
+        assert any(ok) and not all(ok)
+        assert tier.healthy and tier.metrics()["errors"] == ok.count(False)
+        assert tier.contains_many(KEYS[:24]) == ok
+
+
+def test_ttl_on_a_cluster(redis_cluster):
+    tier = cluster_tier(redis_cluster.url, ttl_s=0.3)
+    assert tier.put_many([(KEYS[i], make_chunk(i)) for i in range(6)]) == [True] * 6
+    raw = raw_cluster(redis_cluster)
+    assert all(0 < raw.pttl(tier.redis_key(KEYS[i])) <= 300 for i in range(6))
+    raw.close()
+    time.sleep(0.4)
+    assert tier.get_many(KEYS[:6]) == [None] * 6
