@@ -30,9 +30,13 @@ class RedisClusterProcess:
     Args:
         size: number of primaries (3 at least, as ``redis-cli --cluster create`` wants).
         extra_args: more ``redis-server`` options for every node (e.g. maxmemory).
+        replicas: replicas per primary (their nodes follow the primaries in :attr:`nodes`
+            until a failover promotes one).
     """
 
-    def __init__(self, size: int = 3, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, size: int = 3, extra_args: list[str] | None = None, replicas: int = 0
+    ) -> None:
         if size < 3:
             raise ValueError(f"a Redis cluster needs at least 3 primaries, got {size}")
         self.cli = shutil.which("redis-cli")
@@ -48,8 +52,9 @@ class RedisClusterProcess:
         # the bus port defaults to port + 10000, past 65535 for a high free port: name one
         self.nodes = [
             RedisProcess(extra_args=[*args, "--cluster-port", str(free_port())])
-            for _ in range(size)
+            for _ in range(size * (1 + replicas))
         ]
+        self.replicas = replicas
 
     @property
     def url(self) -> str:
@@ -68,8 +73,8 @@ class RedisClusterProcess:
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             assert self.cli is not None
             subprocess.run(
-                [self.cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
-                 "--cluster-yes"],
+                [self.cli, "--cluster", "create", *addresses,
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True,
                 capture_output=True,
                 timeout=timeout_s,

@@ -142,7 +142,10 @@ class ClusterLink:
                 self._map_ok = False
                 self._backoff = min(self._backoff * 2, self._backoff_max)
             return self._client
+        primaries = {node.name for node in self._client.get_primaries()}
         with self._lock:
+            for name in set(self._nodes) - primaries:  # failed over or removed: forget it
+                self._nodes.pop(name).close()
             self._stale = False
             self._backoff = self._backoff_initial
             if not self._map_ok:

@@ -147,6 +147,9 @@ class RedisNode:
             self._drop(conn)
             self.fault(exc)
             return None
+        except BaseException:
+            self._drop(conn)
+            raise
         return conn
 
     def receive(self, conn: Connection | None, num_replies: int) -> list[Any]:
@@ -160,6 +163,9 @@ class RedisNode:
             self._drop(conn)
             self.fault(exc)
             return [DOWN] * num_replies
+        except BaseException:
+            self._drop(conn)  # it may hold the rest of the replies
+            raise
         self.client.connection_pool.release(conn)
         return replies
 

@@ -246,3 +246,28 @@ def test_ttl_on_a_cluster(redis_cluster):
     raw.close()
     time.sleep(0.4)
     assert tier.get_many(KEYS[:6]) == [None] * 6
+
+
+def test_failover_to_a_replica_serves_the_chunks_again():
+    """3 primaries with a replica each: a primary killed is misses for its keys until its
+    replica is promoted (cluster-node-timeout 2 s); the tier then reloads the slot map and
+    reads the replicated chunks from the new primary, and forgets the dead node."""
+    with RedisClusterProcess(replicas=1) as cluster:
+        tier = cluster_tier(cluster.url)
+        items = [(KEYS[i], make_chunk(i)) for i in range(12)]
+        assert all(tier.put_many(items))
+        owner = [cluster.node_of(tier.redis_key(k)) for k, _ in items]
+        for index in set(owner):  # every write reached a replica
+            assert redis.Redis(port=cluster.nodes[index].port).execute_command("WAIT", 1, 5000)
+        victim = owner[0]
+        cluster.kill(victim)
+        assert tier.get(KEYS[0]) is None  # down, not yet failed over
+        deadline = time.monotonic() + 30
+        while tier.get(KEYS[0]) is None:
+            assert time.monotonic() < deadline, "no failover seen"
+            time.sleep(0.2)
+        assert cluster.node_of(tier.redis_key(KEYS[0])) != victim
+        got = tier.get_many([k for k, _ in items])
+        assert all(g is not None and same_chunk(g, c) for g, (_, c) in zip(got, items, strict=True))
+        assert tier.healthy and tier.metrics()["nodes_down"] == []
+        tier.close()
