@@ -11,6 +11,7 @@ from redis.cluster import RedisCluster
 from lmcompact.store import ChunkCodec, StoreConfig, TieredStore, chunk_keys
 from lmcompact.store.tiers.redis_tier import RedisTier
 from lmcompact.store.tiers.redis_url import parse_cluster_url
+from tests.redis_server import require_redis_server
 from tests.support.redis_cluster import RedisClusterProcess, redis_cluster_fixture
 from tests.support.redis_process import free_port
 from tests.unit.store.store_helpers import make_chunk, make_namespace, same_chunk
@@ -219,6 +220,7 @@ def test_bench_store_on_a_private_cluster(tmp_path):
 def test_full_cluster_evicts_or_refuses_without_errors_for_requests():
     """Nodes under maxmemory: with LRU eviction old chunks vanish (misses, the newest stay);
     without eviction Redis refuses SETs (OOM): failed puts, counted, never a raise."""
+    require_redis_server()
     lru = ["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]
     with RedisClusterProcess(extra_args=lru) as cluster:
         tier = cluster_tier(cluster.url)
@@ -252,6 +254,7 @@ def test_failover_to_a_replica_serves_the_chunks_again():
     """3 primaries with a replica each: a primary killed is misses for its keys until its
     replica is promoted (cluster-node-timeout 2 s); the tier then reloads the slot map and
     reads the replicated chunks from the new primary, and forgets the dead node."""
+    require_redis_server()
     with RedisClusterProcess(replicas=1) as cluster:
         tier = cluster_tier(cluster.url)
         items = [(KEYS[i], make_chunk(i)) for i in range(12)]
