@@ -47,7 +47,14 @@ from connectors.vllm.patches import engine
 from connectors.vllm.patches import runner as runner_patch
 from connectors.vllm.reconstruct import ReconstructScores
 from connectors.vllm.spec import ConnectorSpec
-from lmcompact.compaction.chunks import LOAD_GROUP_BYTES, chunk_problem, full_nbytes, runs_of_bytes
+from lmcompact.compaction.chunks import (
+    BF16_BYTES,
+    LOAD_GROUP_BYTES,
+    chunk_problem,
+    full_nbytes,
+    runs_of_bytes,
+    stored_nbytes,
+)
 from lmcompact.compaction.device_pack import DevicePacker
 from lmcompact.compaction.heavy_hitters import HeavyHitterScores
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
@@ -155,6 +162,7 @@ class Worker:
             "saved_chunks": 0,
             "bytes_stored": 0,
             "bytes_full": 0,
+            "bytes_full_bf16": 0,
             "compact_s": 0.0,
             "compact_tokens": 0,
             "save_errors": 0,
@@ -895,6 +903,7 @@ class Worker:
             )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
+            quantize = self.config.store.quantize
             with self._lock:
                 for (key, _), ok in zip(items, stored, strict=True):
                     (self._report.saved if ok else self._report.save_failed).add(key)
@@ -904,8 +913,11 @@ class Worker:
                 self.stats["compact_tokens"] += len(items) * self.config.store.chunk_size
                 for (_, chunk), ok in zip(items, stored, strict=True):
                     if ok:
-                        self.stats["bytes_stored"] += chunk.payload_nbytes
+                        self.stats["bytes_stored"] += stored_nbytes(chunk, quantize)
                         self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
+                        self.stats["bytes_full_bf16"] += full_nbytes(
+                            chunk, self.facts.head_dim, BF16_BYTES
+                        )
             logger.info(
                 "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head)%s (%s), %.3f s",
                 job.req_id,
@@ -914,7 +926,7 @@ class Worker:
                 len(items) * self.kept,
                 len(items) * self.config.store.chunk_size,
                 "" if self.cap is None else " on average",
-                self.config.policy,
+                self.config.store_policy_name,
                 elapsed,
             )
         except Exception:  # never take the engine down for a failed save

@@ -4,13 +4,14 @@ Puts write through every tier (the Redis one on a background thread, see
 :mod:`lmcompact.store.writer`); gets look tiers up in order and copy a hit into the tiers
 above it. ``lookup_prefix`` counts how many leading chunks some tier holds.
 
-Quantized stores (``StoreConfig.quantize``): the tiers that hold the codec's values (Redis)
-hold them quantized (:mod:`lmcompact.store.quant`), about half the bytes of bf16. The memory
-tiers keep holding chunks in the engine dtype (they serve views and copy packed buffers
-between host and device; dequantizing on every get would cost that), but they hold the
-DEQUANTIZED rows: a put quantizes once (:meth:`ChunkCodec.encode_served`), gives Redis the
-value and the memory tiers what that value decodes to, so a chunk reads the same from every
-tier, and a Redis hit promoted upward is that same chunk again.
+Quantized stores (``StoreConfig.quantize``): the tiers that hold the codec's values hold them
+quantized (:mod:`lmcompact.store.quant`), about half the bytes of bf16: Redis, and the CPU
+tier, which is then an :class:`EncodedCPUTier` (a host store's bytes are what users budget).
+The GPU tier keeps holding chunks in the engine dtype (it serves views on the device;
+dequantizing on every get would cost that), but it holds the DEQUANTIZED rows: a put
+quantizes once (:meth:`ChunkCodec.encode_served`), gives the value tiers the value and the
+GPU tier what that value decodes to, so a chunk reads the same from every tier, and a hit
+promoted upward is that same chunk again.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lmcompact.store.keys import ChunkKey, StoreNamespace
 from lmcompact.store.quant import check_quantize
 from lmcompact.store.tiers.base import StorageTier
 from lmcompact.store.tiers.cpu_tier import CPUTier
+from lmcompact.store.tiers.encoded_cpu import EncodedCPUTier
 from lmcompact.store.tiers.gpu_tier import GPUTier
 from lmcompact.store.tiers.memory import MemoryTier
 from lmcompact.store.tiers.redis_url import check_redis_url
@@ -172,8 +174,8 @@ class TieredStore:
             raise ValueError("a store needs at least one tier")
         if self.config.quantize is not None and not any(t.holds_encoded for t in self.tiers):
             logger.info(
-                "store quantize=%s without a Redis tier: the memory tiers hold dequantized "
-                "rows in the engine dtype (lossy, same bytes)",
+                "store quantize=%s without a CPU or Redis tier: the GPU tier holds "
+                "dequantized rows in the engine dtype (lossy, same bytes)",
                 self.config.quantize,
             )
         self._writers: dict[int, AsyncWriter] = {}
@@ -197,7 +199,9 @@ class TieredStore:
                     eviction=make_eviction_policy(cfg.eviction),
                 )
             )
-        if cfg.cpu_capacity_bytes is not None:
+        if cfg.cpu_capacity_bytes is not None and cfg.quantize is not None:
+            out.append(EncodedCPUTier(cfg.cpu_capacity_bytes, self.codec))
+        elif cfg.cpu_capacity_bytes is not None:
             out.append(
                 CPUTier(
                     cfg.cpu_capacity_bytes,
