@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,7 +54,13 @@ class EngineClient:
             stderr=self.log,
             text=True,
         )  # fmt: skip
-        self._answer()  # ready
+        self._ready = False  # engines started together load their models at the same time
+
+    def wait_ready(self) -> None:
+        """Wait until the engine answers (its model loaded); requests do it first."""
+        if not self._ready:
+            self._answer()
+            self._ready = True
 
     def _answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -62,6 +70,7 @@ class EngineClient:
         raise RuntimeError(f"engine exited with {self.proc.wait()}:\n{self.tail()}")
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.wait_ready()
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
@@ -79,17 +88,22 @@ class EngineClient:
         self.log.seek(0)
         return self.log.read()[-chars:]
 
+    def quit(self) -> None:
+        """Ask the engine to quit (it drains its saves and shuts down); returns at once."""
+        stdin = self.proc.stdin
+        if self.proc.poll() is None and stdin is not None and not stdin.closed:
+            with contextlib.suppress(OSError):
+                stdin.write(json.dumps({"op": "quit"}) + "\n")
+                stdin.close()
+
     def close(self, timeout_s: float = 60.0) -> None:
-        """Ask the engine to quit; kill it (by PID) if it does not in ``timeout_s``."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=timeout_s)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        """:meth:`quit`, then wait; kill it (by PID) if it has not exited in ``timeout_s``."""
+        self.quit()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
         self.log.close()
 
     def __enter__(self) -> EngineClient:
@@ -97,3 +111,17 @@ class EngineClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def engines(count: int, model: str, extra: dict[str, Any]) -> Iterator[list[EngineClient]]:
+    """``count`` engines of one configuration, started together and shut down together."""
+    clients: list[EngineClient] = []
+    try:
+        clients = [EngineClient(model, extra) for _ in range(count)]
+        yield clients
+    finally:
+        for client in clients:
+            client.quit()
+        for client in clients:
+            client.close()

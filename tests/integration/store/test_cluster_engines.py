@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from redis.cluster import RedisCluster
 
-from tests.support.engine_client import EngineClient
+from tests.support.engine_client import engines
 from tests.support.redis_cluster import RedisClusterProcess, redis_cluster_fixture
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ def test_a_prefix_stored_by_one_engine_is_a_compacted_hit_on_another(
     smollm2_path: Path, prompt: list[int], redis_cluster: RedisClusterProcess
 ) -> None:
     extra = store_options({"policy": "self_info", "budget": BUDGET}, redis_cluster)
-    with EngineClient(str(smollm2_path), extra) as a, EngineClient(str(smollm2_path), extra) as b:
+    with engines(2, str(smollm2_path), extra) as (a, b):
         first = a.generate(prompt, MAX_TOKENS)  # computed, stored compacted
         keys = a.redis_keys(prompt)
         assert b.redis_keys(prompt) == keys  # one namespace: B looks where A wrote
@@ -92,7 +92,7 @@ def test_node_killed_between_passes_recomputes_and_matches_the_baseline(
     smollm2_path: Path, prompt: list[int], redis_cluster: RedisClusterProcess
 ) -> None:
     extra = store_options({"policy": "none"}, redis_cluster)
-    with EngineClient(str(smollm2_path), extra) as a, EngineClient(str(smollm2_path), extra) as b:
+    with engines(2, str(smollm2_path), extra) as (a, b):
         baseline = a.generate(prompt, MAX_TOKENS)  # computed in full: the baseline
         keys = a.redis_keys(prompt)
         wait_for_keys(redis_cluster, keys)
