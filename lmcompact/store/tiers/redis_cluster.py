@@ -44,12 +44,9 @@ from redis.retry import Retry
 from lmcompact.store.metrics import TierMetrics
 from lmcompact.store.tiers.redis_node import DOWN, FAULTS, RedisNode
 from lmcompact.store.tiers.redis_url import parse_cluster_url
-from lmcompact.store.tiers.resp import Buffer
+from lmcompact.store.tiers.resp import Command
 
 logger = logging.getLogger(__name__)
-
-Command = tuple[bytes, Sequence[Buffer]]
-"""A command as its key (which routes it) and its packed RESP buffers."""
 
 
 class ClusterLink:

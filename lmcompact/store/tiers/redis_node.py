@@ -23,7 +23,13 @@ import redis
 from redis.connection import Connection
 
 from lmcompact.store.metrics import TierMetrics
-from lmcompact.store.tiers.resp import Buffer, read_replies, send_packed, take_connection
+from lmcompact.store.tiers.resp import (
+    Buffer,
+    Command,
+    read_replies,
+    send_packed,
+    take_connection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +178,14 @@ class RedisNode:
     def execute(self, packed: Sequence[Buffer], num_replies: int) -> list[Any]:
         """:meth:`send` then :meth:`receive`: one round trip."""
         return self.receive(self.send(packed), num_replies)
+
+    def run(self, commands: Sequence[Command]) -> list[Any]:
+        """One reply per command (as :meth:`receive` gives them), in one round trip."""
+        return self.execute([buf for _, parts in commands for buf in parts], len(commands))
+
+    def nodes_down(self) -> list[str]:
+        """``[name]`` while the server is served as misses, else empty."""
+        return [] if self._healthy else [self.name]
 
     def _drop(self, conn: Connection) -> None:
         """Close a connection that may hold half a reply, and give it back to its pool."""

@@ -31,10 +31,10 @@ from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.codec import ChunkCodec, CorruptEntryError, EncodedValue
 from lmcompact.store.keys import ChunkKey
 from lmcompact.store.tiers.base import StorageTier
-from lmcompact.store.tiers.redis_cluster import ClusterLink, Command
+from lmcompact.store.tiers.redis_cluster import ClusterLink
 from lmcompact.store.tiers.redis_node import RedisNode
 from lmcompact.store.tiers.redis_url import check_redis_url, is_cluster_url
-from lmcompact.store.tiers.resp import pack_command, pack_set
+from lmcompact.store.tiers.resp import Command, pack_command, pack_set
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +117,7 @@ class RedisTier(StorageTier):
         """One reply per command (``DOWN`` where its server is unreachable); error replies
         (OOM under maxmemory, CLUSTERDOWN, ...) come back as exception instances, counted
         as errors and logged, and the caller treats them as misses or failed puts."""
-        if isinstance(self._link, ClusterLink):
-            replies = self._link.run(commands)
-        else:
-            packed = [buf for _, parts in commands for buf in parts]
-            replies = self._link.execute(packed, len(commands))
+        replies = self._link.run(commands)
         refused = [r for r in replies if isinstance(r, redis.exceptions.ResponseError)]
         if refused:  # a server that answered: not a fault of the connection
             self.stats.add(errors=len(refused))
@@ -212,8 +208,7 @@ class RedisTier(StorageTier):
 
     def metrics(self) -> dict[str, Any]:
         out = super().metrics()
-        if isinstance(self._link, ClusterLink):
-            out["nodes_down"] = self._link.nodes_down()
+        out["nodes_down"] = self._link.nodes_down()
         return out
 
     def close(self) -> None:

@@ -28,6 +28,9 @@ from redis.connection import Connection
 
 Buffer = bytes | bytearray | memoryview
 
+Command = tuple[bytes, Sequence[Buffer]]
+"""A command as its key (which routes it on a cluster) and its packed RESP buffers."""
+
 COALESCE_BYTES = 16 << 10
 """Buffers shorter than this are joined with their neighbours before writing."""
 
