@@ -131,10 +131,16 @@ class ReleaseOptions:
             (StreamingLLM): the oldest block after the hole is dropped. ``"h2o"``
             (Heavy-Hitter Oracle): that block is first merged into the request's kept
             region, where each (layer, head) keeps its highest accumulated attention
-            mass (:mod:`lmcompact.compaction.heavy_hitters`).
-        decode_recent_tokens: ``h2o`` only: recent tokens kept in order after the hole when
-            the hole opens during generation (block aligned); None: half the budget. The
-            kept region is the rest of the budget (or the prompt's packed kept blocks).
+            mass (:mod:`lmcompact.compaction.heavy_hitters`). Any other name: a registered
+            score policy with a decode phase (``decoding_snapkv``, ``rkv``, a custom
+            one) chooses what the kept region keeps at each merge from the attention of
+            the last decode queries (:mod:`lmcompact.compaction.window_merge`).
+        decode_policy_params: hyper-parameters of such a decode policy (None: its
+            defaults).
+        decode_recent_tokens: merging decode policies only (not ``recent``): recent tokens
+            kept in order after the hole when the hole opens during generation (block
+            aligned); None: half the budget. The kept region is the rest of the budget (or
+            the prompt's packed kept blocks).
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
         per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
@@ -153,7 +159,8 @@ class ReleaseOptions:
 
     prefill: str = option("auto", choice(PREFILL_CHOICES))
     decode_budget_tokens: int | None = option(None, integer(1, nullable=True))
-    decode_policy: str = option("recent", choice(DECODE_POLICIES))
+    decode_policy: str = option("recent", text())
+    decode_policy_params: Mapping[str, Any] | None = option(None, mapping(nullable=True))
     decode_recent_tokens: int | None = option(None, integer(1, nullable=True))
     sink_blocks: int = option(1, integer(1))
     min_prompt_tokens: int = option(0, integer(0))
@@ -167,16 +174,42 @@ class ReleaseOptions:
         """Checks that relate several release options."""
         self.per_head_slack()  # raises on a bad per_head object
         g = RELEASE_KEY
-        if self.decode_recent_tokens is not None and self.decode_policy != "h2o":
-            raise ValueError(f"{g}.decode_recent_tokens needs decode_policy 'h2o'")
-        if self.decode_policy == "h2o":
+        name = self.decode_policy
+        if name not in DECODE_POLICIES:
+            try:
+                self.decode_policy_object()
+            except ValueError as error:
+                raise ValueError(
+                    f"{g}.decode_policy must be one of {list(DECODE_POLICIES)} or a decode "
+                    f"score policy: {error}"
+                ) from None
+        elif self.decode_policy_params is not None:
+            raise ValueError(f"{g}.decode_policy_params needs a policy name, not {name!r}")
+        if self.decode_recent_tokens is not None and not self.merges:
+            raise ValueError(
+                f"{g}.decode_recent_tokens needs decode_policy 'h2o' or a decode score policy"
+            )
+        if self.merges:
             if self.decode_budget_tokens is None:
-                raise ValueError(f"{g}.decode_policy 'h2o' needs decode_budget_tokens")
+                raise ValueError(f"{g}.decode_policy {name!r} needs decode_budget_tokens")
             if self.per_head is not None:
                 raise ValueError(
-                    f"{g}.decode_policy 'h2o' with per_head counts is not supported (the "
+                    f"{g}.decode_policy {name!r} with per_head counts is not supported (the "
                     "merge keeps every head's count equal)"
                 )
+
+    @property
+    def merges(self) -> bool:
+        """Whether blocks leaving the decode budget are merged into the kept region."""
+        return self.decode_policy != "recent"
+
+    def decode_policy_object(self) -> Any:
+        """The window-merge score policy (None for ``recent`` and ``h2o``)."""
+        if self.decode_policy in DECODE_POLICIES:
+            return None
+        from lmcompact.compaction.window_merge import decode_policy
+
+        return decode_policy(self.decode_policy, self.decode_policy_params)
 
     def per_head_slack(self) -> float | None:
         """The per-head slack, or None when every head keeps the same count."""
@@ -186,7 +219,7 @@ class ReleaseOptions:
     def needs_piecewise(self) -> bool:
         """Per-head counts and H2O decode work inside every attention call, decode
         included, so full CUDA graphs cannot run them."""
-        return self.per_head is not None or self.decode_policy == "h2o"
+        return self.per_head is not None or self.merges
 
     def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
         """The prefill mode for the connector's ``policy`` (``compacts``: a compacting
@@ -204,10 +237,11 @@ class ReleaseOptions:
                     f"{g}.prefill={self.prefill!r} needs a compacting policy and a "
                     f"budget < 1, got policy {policy!r}"
                 )
-        if self.decode_policy == "h2o" and mode is PrefillMode.BLOCKS:
+        if self.merges and mode is PrefillMode.BLOCKS:
             raise ValueError(
-                f"{g}.decode_policy 'h2o' needs a kept region, but prefill mode 'blocks' "
-                "leaves only the sink blocks before the hole; use prefill 'pack' or 'off'"
+                f"{g}.decode_policy {self.decode_policy!r} needs a kept region, but prefill "
+                "mode 'blocks' leaves only the sink blocks before the hole; use prefill "
+                "'pack' or 'off'"
             )
         if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(
@@ -228,10 +262,10 @@ class ReleaseOptions:
         return self.decode_budget_tokens // block_size
 
     def decode_recent_blocks(self, block_size: int) -> int | None:
-        """``h2o``: recent blocks after a hole opened during generation (None for
-        ``recent``); ValueError when not block aligned or leaving no kept region."""
+        """Merging decode policies: recent blocks after a hole opened during generation (None
+        for ``recent``); ValueError when not block aligned or leaving no kept region."""
         budget = self.decode_budget_blocks(block_size)
-        if self.decode_policy != "h2o" or budget is None:
+        if not self.merges or budget is None:
             return None
         if self.decode_recent_tokens is None:
             recent = budget // 2

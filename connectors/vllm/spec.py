@@ -313,8 +313,8 @@ def refuse_under_tensor_parallel(config: ConnectorConfig, tp_size: int) -> None:
     refused = []
     if release.per_head is not None:
         refused.append("release.per_head (per-head counts)")
-    if release.decode_policy == "h2o":
-        refused.append("release.decode_policy 'h2o'")
+    if release.merges:
+        refused.append(f"release.decode_policy {release.decode_policy!r}")
     if refused:
         raise ValueError(
             f"{' and '.join(refused)} with tensor_parallel_size {tp_size}: "

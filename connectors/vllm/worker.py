@@ -64,6 +64,7 @@ from lmcompact.compaction.page_layout import PageLayout, make_layout
 from lmcompact.compaction.per_head import head_rows, layer_runs, on_device
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
+from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
@@ -111,7 +112,7 @@ class Worker:
         # made at register: per-head recompute (store.per_head or release.per_head), H2O
         # decode scores, the GPU packer
         self.perhead: PerHeadAttention | None = None
-        self.heavy: HeavyHitterScores | None = None
+        self.heavy: HeavyHitterScores | WindowScores | None = None
         self.device_packer: DevicePacker | None = None
         self.warm_up_s: list[tuple[int, float]] = []
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
@@ -141,6 +142,7 @@ class Worker:
         # in-engine surprisal (store.token_scores "engine"): per request (prompt_len,)
         # scores, and this step's rows to score after the forward pass
         self._surprisal: dict[str, torch.Tensor] = {}
+        self._load_device: torch.device | None = None  # set with the KV caches
         self._surprisal_rows: dict[str, tuple[torch.Tensor, wire.SurprisalSpec]] = {}
         self.engine_scores = (
             self.policy.scores_given and config.store.token_scores == "engine" and config.store.save
@@ -192,6 +194,13 @@ class Worker:
         if missing:
             raise ValueError(f"no KV cache registered for attention layers {missing[:3]}")
         self.kv_caches = {name: kv_caches[name] for name in self.layers}
+        first_cache = next(iter(self.kv_caches.values()), None)
+        # a quantized host tier dequantizes loaded chunks where the pages live
+        self._load_device = (
+            first_cache.device
+            if isinstance(first_cache, torch.Tensor) and first_cache.is_cuda
+            else None
+        )
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
         if len(self.layers) != self.facts.num_layers:
             raise ValueError(
@@ -725,7 +734,7 @@ class Worker:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
         keys = self.slice_keys(load.keys)
         try:
-            found = self.store.get_many(keys)
+            found = self.store.get_many(keys, self._load_device)
         except Exception:  # tiers answer misses for faults; this is a last guard
             logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
             found = [None] * len(load.keys)
@@ -950,7 +959,10 @@ class Worker:
         self._refuse_with_sliding_layers()
         if planner.per_head_slack is not None:
             self.perhead = self._observer(PerHeadAttention)
-        if planner.decode_recent_blocks is not None:
+        decode = None if self.config.release is None else self.config.release.decode_policy_object()
+        if planner.decode_recent_blocks is not None and decode is not None:
+            self.heavy = self._observer(WindowScores, policy=decode, window=decode_window(decode))
+        elif planner.decode_recent_blocks is not None:
             self.heavy = self._observer(HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads)
         if self.perhead is not None or self.heavy is not None:
             # both read this step's holes inside attention layers, on uncut metadata

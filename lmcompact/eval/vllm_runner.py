@@ -25,10 +25,11 @@ Every prompt runs in vLLM (CPU build, in-process engine, float32, block size 32)
     No store: every question request computes the whole prompt and packs it in place.
 
 A full-cache row (policy ``none``, ``compact_on`` ``none``) comes from a plain engine on
-the same prompts, with vLLM's own prefix cache on (the questions of one context share it). One engine serves all prompts of a (model, context length, mode, policy,
-budget) cell; its store namespace is fresh (a per-cell ``model_id``) and every context
-differs, so a hit is always on what the cell itself stored. Each row records the store
-hits and packs its request caused, so a miss cannot pass for a compacted answer.
+the same prompts, with vLLM's own prefix cache on (the questions of one context share
+it). One engine serves all prompts of a (model, context length, mode, policy, budget)
+cell; its store namespace is fresh (a per-cell ``model_id``) and every context differs,
+so a hit is always on what the cell itself stored. Each row records the store hits and
+packs its request caused, so a miss cannot pass for a compacted answer.
 
 Tasks: ``multi_needle`` (one context, one labelled needle per depth, one question per
 needle: :func:`lmcompact.eval.tasks.build_stored_context`) and ``needle`` (one needle and

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.codec import ChunkCodec, EncodedValue
 from lmcompact.store.eviction import EVICTION_POLICIES, make_eviction_policy
@@ -282,14 +284,23 @@ class TieredStore:
     def get(self, key: ChunkKey) -> CompactedChunk | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[CompactedChunk | None]:
-        """Chunks for ``keys`` (None where no tier has one); hits are promoted upward."""
+    def get_many(
+        self, keys: Sequence[ChunkKey], device: torch.device | str | None = None
+    ) -> list[CompactedChunk | None]:
+        """Chunks for ``keys`` (None where no tier has one); hits are promoted upward.
+        ``device``: where the reader wants them; a quantized host tier
+        (:class:`EncodedCPUTier`) dequantizes there, other tiers answer as they hold."""
         out: list[CompactedChunk | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not todo:
                 break
-            found = tier.get_many([keys[i] for i in todo])
+            wanted = [keys[i] for i in todo]
+            found = (
+                tier.get_many(wanted, device)
+                if isinstance(tier, EncodedCPUTier)
+                else tier.get_many(wanted)
+            )
             promote: list[tuple[ChunkKey, CompactedChunk]] = []
             still: list[int] = []
             for i, chunk in zip(todo, found, strict=True):

@@ -4,7 +4,9 @@ A memory tier (:mod:`lmcompact.store.tiers.memory`) holds chunks in the engine d
 quantizing store (``StoreConfig.quantize``) would save bytes only in Redis. This tier holds
 the codec's value itself (int8 or fp8 rows with float16 scales, about half of bf16), so the
 host memory a stored prefix takes is what the quantization promises; a get decodes the
-value (checksum, namespace and format checks, then dequantization into a fresh chunk).
+value (checksum, namespace and format checks, then dequantization into a fresh chunk, on
+the device the caller names: a loading GPU worker gets the int8 bytes dequantized on its
+GPU, not a host pass over every row).
 
 Values are immutable ``bytes``; eviction is least recently used, entries being loaded are
 pinned (:meth:`pin`), and a value the codec refuses is dropped and counted as ``rejected``.
@@ -16,6 +18,8 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import torch
 
 from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.codec import ChunkCodec, CorruptEntryError, EncodedValue
@@ -72,7 +76,11 @@ class EncodedCPUTier(StorageTier):
         with self._lock:
             return self._drop(key)
 
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[CompactedChunk | None]:
+    def get_many(
+        self, keys: Sequence[ChunkKey], device: torch.device | str | None = None
+    ) -> list[CompactedChunk | None]:
+        """Decoded chunks (None where missing or refused), dequantized on ``device`` (None:
+        on the host)."""
         with self._lock:
             found = []
             for key in keys:
@@ -86,7 +94,7 @@ class EncodedCPUTier(StorageTier):
             chunk = None
             if value is not None:
                 try:
-                    chunk = self.codec.decode(value)
+                    chunk = self.codec.decode(value, device)
                 except CorruptEntryError as exc:
                     logger.warning("cpu tier refused %r: %s", key, exc)
                     rejected += 1
