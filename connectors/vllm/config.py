@@ -308,7 +308,8 @@ class StoreOptions:
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
         tiers: store tiers, fastest first, from ``("cpu", "redis")`` (a comma list works).
         cpu_capacity_mb: CPU tier size in MiB.
-        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
+        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier, or a cluster's seed
+            nodes, ``redis+cluster://host:port[,host:port...]`` (chunks spread over its slots).
         redis_ttl_s: lifetime of Redis entries; None keeps them until Redis evicts.
         save: store compacted prefixes of finished prefills.
         load: serve stored prefixes to new requests.
@@ -375,7 +376,9 @@ class StoreOptions:
     )
     tiers: tuple[str, ...] = option(("cpu",), names(TIERS))
     cpu_capacity_mb: int = option(1024, integer(1))
-    redis_url: str | None = option(None, text(nullable=True, allowed="a redis:// URL"))
+    redis_url: str | None = option(
+        None, text(nullable=True, allowed="a redis:// or redis+cluster://host:port,... URL")
+    )
     redis_ttl_s: float | None = option(None, number(above=0, nullable=True, allowed="seconds > 0"))
     save: bool = option(True, boolean())
     load: bool = option(True, boolean())
