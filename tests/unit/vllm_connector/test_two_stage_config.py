@@ -138,12 +138,15 @@ def test_sliding_window_engines_fall_back_from_the_default_two_stages_only() -> 
     from connectors.vllm.config import without_two_stages
 
     fallback = without_two_stages({"budget": 0.25, "store": {"model_id": "m"}})
-    assert fallback == {"budget": 0.25, "store": {"model_id": "m", "compact_on": "save"}}
+    assert fallback == {
+        "budget": 0.25,
+        "store": {"quantize": "int8", "model_id": "m", "compact_on": "save"},
+    }
     config = ConnectorConfig.from_extra(fallback)
     assert (config.policy, config.store.compact_on, config.store.quantize) == (
         "self_info",
         "save",
-        None,
+        "int8",
     )
     assert config.release is None and config.store_compacts
     for named in (
