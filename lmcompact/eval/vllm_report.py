@@ -73,7 +73,8 @@ def _honest(row: dict[str, Any]) -> bool:
         return False
     if mode == "default":  # packed at load, or (sliding-window models) stored compacted
         packed = row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
-        return packed or row.get("holes_adopted", 0) == 1
+        full = row.get("bytes_full") or 0
+        return packed or row.get("holes_adopted", 0) == 1 or 0 < row.get("bytes_stored", 0) < full
     if mode in ("load", "both", "inplace"):
         return row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
     if mode == "save":
