@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lmcompact.attention.rope import Rope
+from lmcompact.compaction.kv_quant import Fp8Pages, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,22 @@ class EngineFacts:
     sliding_window: int | None = None
     tp_size: int = 1
     """Tensor-parallel ranks; ``num_kv_heads`` is what one rank holds."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``kv_cache_dtype`` ("auto": the model dtype; "fp8*": fp8 bytes in uint8 pages)."""
 
     @property
     def layout_name(self) -> str:
         return "head_major_kt" if self.device_type == "cpu" else "token_major"
+
+    @property
+    def fp8(self) -> bool:
+        """The pages hold fp8 bytes (:mod:`lmcompact.compaction.kv_quant`)."""
+        return is_fp8(self.kv_cache_dtype)
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        """dtype of the cache's elements, and of stored rows (uint8 for fp8 caches)."""
+        return torch.uint8 if self.fp8 else self.dtype
 
 
 def engine_facts(vllm_config: Any) -> EngineFacts:
@@ -93,6 +106,7 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         device_type=device_type,
         sliding_window=_config_sliding_window(model),
         tp_size=tp_size,
+        kv_cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
     )
 
 
@@ -167,6 +181,21 @@ def _layer_index(name: str) -> tuple[int, str]:
 
 def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
+
+
+def fp8_pages(kv_cache_dtype: str, layers: list[Any]) -> Fp8Pages:
+    """How to read ``layers``' fp8 pages, with their scales as they are now (vLLM's
+    ``calculate_kv_scales`` sets them during the first forward passes)."""
+    return Fp8Pages.of(
+        kv_cache_dtype,
+        [float(getattr(layer, "_k_scale_float", 1.0)) for layer in layers],
+        [float(getattr(layer, "_v_scale_float", 1.0)) for layer in layers],
+    )
+
+
+def calculates_kv_scales(vllm_config: Any) -> bool:
+    """Whether vLLM computes fp8 KV scales from the first batches (``calculate_kv_scales``)."""
+    return bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
 
 
 def num_query_heads(layer: Any) -> int:
