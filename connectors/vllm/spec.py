@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from connectors.vllm.config import BUDGET_TOLERANCE, ConnectorConfig, kept_blocks
+from connectors.vllm.kv_dtype import refuse_fp8_combinations
 from connectors.vllm.patches import engine
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
 from lmcompact.compaction.policy_inputs import probe_inputs
@@ -80,6 +81,7 @@ class ConnectorSpec:
         """Check ``config`` against the engine and build the spec (no caching)."""
         policy = config.policy_object
         check_against_engine(config, policy, facts)
+        refuse_fp8_combinations(config, facts)
         if config.release is not None:
             refuse_under_tensor_parallel(config, facts.tp_size)
         spec = cls(
@@ -173,7 +175,7 @@ def build_namespace(
         params["sliding_rows"] = "recent"
     return StoreNamespace(
         model_id=config.store.model_id or facts.model_id,
-        kv_dtype=str(facts.dtype).removeprefix("torch."),
+        kv_dtype=str(facts.page_element_dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
         tp_rank=tp_rank,
         tp_world_size=facts.tp_size,

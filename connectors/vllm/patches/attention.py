@@ -232,9 +232,7 @@ def check_page_layout(facts: Any, kv_layer: torch.Tensor, layer: Any) -> None:
         )
 
 
-def _probe_kv(
-    n: int, h: int, d: int, pages: Fp8Pages | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _probe_kv(n: int, h: int, d: int, pages: Fp8Pages | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n, h, d)`` probe keys and values: random normals, or for an fp8 cache powers of two
     times the layer's scales (exact in every fp8 format, a factor 2 apart, so a misplaced
     number is far outside one unit of rounding)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmcompact.attention.rope import Rope
-from lmcompact.compaction.kv_quant import Fp8Pages, is_fp8
+from lmcompact.compaction.kv_quant import Fp8Pages, fp8_format, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ class EngineFacts:
     def fp8(self) -> bool:
         """The pages hold fp8 bytes (:mod:`lmcompact.compaction.kv_quant`)."""
         return is_fp8(self.kv_cache_dtype)
+
+    @property
+    def page_element_dtype(self) -> torch.dtype:
+        """What one cache element holds: the float8 format of an fp8 cache, else ``dtype``
+        (names stored chunks: other formats' bytes mean other numbers)."""
+        return fp8_format(self.kv_cache_dtype) if self.fp8 else self.dtype
 
     @property
     def page_dtype(self) -> torch.dtype:

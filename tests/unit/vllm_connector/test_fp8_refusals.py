@@ -1,0 +1,84 @@
+"""Every combination the connector refuses on an fp8 KV cache says so at start-up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.kv_dtype import refuse_fp8_scales
+from lmcompact.compaction.kv_quant import Fp8Pages
+from tests.unit.vllm_connector.fakes import spec
+
+IN_PLACE = {"policy": "snapkv", "budget": 0.5, "store": False, "release": {"prefill": "pack"}}
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {
+    "release per-head counts": (
+        {**IN_PLACE, "policy": "adakv", "release": {"prefill": "pack", "per_head": {}}},
+        "release.per_head",
+    ),
+    "store per-head counts": (
+        {"policy": "adakv", "budget": 0.5, "store": {"chunk_size": 64, "per_head": {}}},
+        "store.per_head",
+    ),
+    "h2o decode": (
+        {
+            **IN_PLACE,
+            "release": {"prefill": "pack", "decode_budget_tokens": 256, "decode_policy": "h2o"},
+        },
+        "decode_policy 'h2o'",
+    ),
+    "store quantization": (
+        {"policy": "none", "store": {"chunk_size": 64, "quantize": "int8"}},
+        "store.quantize 'int8'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_fp8_refusals_name_the_combination(case: str) -> None:
+    extra, named = REFUSED[case]
+    spec(extra)  # accepted with the model dtype's cache
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' cannot be combined") as error:
+        spec(extra, kv_cache_dtype="fp8")
+    assert named in str(error.value)
+
+
+def test_fp8_refuses_sliding_window_models_that_compact() -> None:
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        spec(IN_PLACE, kv_cache_dtype="fp8_e5m2", sliding_window=512)
+    spec({"policy": "none", "store": {"chunk_size": 64}}, kv_cache_dtype="fp8", sliding_window=512)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        IN_PLACE,
+        {"policy": "none", "store": {"chunk_size": 64}},
+        {"policy": "snapkv", "budget": 0.5, "store": {"chunk_size": 64}},
+        {
+            "policy": "streaming_llm",
+            "budget": 0.5,
+            "store": False,
+            "release": {"prefill": "blocks"},
+        },
+    ],
+)
+def test_fp8_accepts_uniform_in_place_and_store(extra: dict[str, Any]) -> None:
+    built = spec(extra, kv_cache_dtype="fp8")
+    assert built.facts.fp8
+    if built.config.store.enabled:  # stored bytes are named by their fp8 format
+        assert all(ns.kv_dtype == "float8_e4m3fn" for ns in built.namespaces)
+
+
+def test_fp8_store_refuses_scales_it_cannot_carry() -> None:
+    store = ConnectorConfig.from_extra({"policy": "none", "store": {"chunk_size": 64}})
+    unit = Fp8Pages.of("fp8", [1.0, 1.0], [1.0, 1.0])
+    refuse_fp8_scales(store, unit, calculated_scales=False)
+    refuse_fp8_scales(store, None, calculated_scales=True)  # not an fp8 cache
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        refuse_fp8_scales(store, unit, calculated_scales=True)
+    with pytest.raises(ValueError, match=r"KV scales of 1\.0, found key scales \[0\.5, 1\.0\]"):
+        refuse_fp8_scales(store, Fp8Pages.of("fp8", [0.5, 1.0], [1.0, 1.0]), False)
+    in_place = ConnectorConfig.from_extra(IN_PLACE)  # no stored bytes: any scales
+    refuse_fp8_scales(in_place, Fp8Pages.of("fp8", [0.5], [2.0]), calculated_scales=True)
