@@ -1096,18 +1096,6 @@ class Worker:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
             self._done(job, time.perf_counter() - began)
-            logger.info(
-                "compacted %s in place: kept %d of %d prompt tokens per (layer, head) (%s)%s",
-                job.req_id,
-                job.start + job.kept,
-                job.start + job.num_tokens + job.hole_tokens,
-                self.config.policy,
-                f"; its first {job.start} are shared through vLLM's prefix cache"
-                if job.start
-                else f"; chosen among the {job.num_tokens} the store kept and the tail"
-                if job.hole_tokens
-                else "",
-            )
             self._pack_times.append((time.perf_counter() - began, None, None))
 
     def _device_pack(self, job: wire.PackJob, window: WindowQueries | None, began: float) -> None:
@@ -1130,11 +1118,26 @@ class Worker:
         )
         end.record()
         host = time.perf_counter() - began
-        self._done(job, host)  # launched: later kernels on the stream see it
+        self._done(job, host, on_device=True)  # launched: later kernels on the stream see it
         self.pack_stats["device_packs"] += 1
         self._pack_times.append((host, start, end))
 
-    def _done(self, job: wire.PackJob, seconds: float) -> None:
+    def _done(self, job: wire.PackJob, seconds: float, on_device: bool = False) -> None:
+        """A pack ran (reference) or was launched (``on_device``): its hole may go back; one
+        INFO line on either path."""
+        logger.info(
+            "compacted %s in place%s: kept %d of %d prompt tokens per (layer, head) (%s)%s",
+            job.req_id,
+            " on the device" if on_device else "",
+            job.start + job.kept,
+            job.start + job.num_tokens + job.hole_tokens,
+            self.config.policy,
+            f"; its first {job.start} are shared through vLLM's prefix cache"
+            if job.start
+            else f"; chosen among the {job.num_tokens} the store kept and the tail"
+            if job.hole_tokens
+            else "",
+        )
         self.forget_window(job.req_id)
         with self._lock:  # its hole goes back once every rank said so
             self._report.packed.add((job.req_id, self.tp_rank))

@@ -24,6 +24,7 @@ EXTRA = {
     "policy": "snapkv",
     "budget": 0.5,
     "store": {"chunk_size": CHUNK, "tiers": ["cpu"], "async_save": False},
+    "release": {"prefill": "auto"},  # each request's computed tail is packed in place too
 }
 COUNTER = re.compile(r'^vllm:lmcompact_(\w+)_total\{[^}]*engine="0"[^}]*\} (\S+)$', re.MULTILINE)
 
@@ -34,7 +35,7 @@ def _get(url: str, timeout: float = 5.0) -> str:
 
 
 def _complete(base: str, prompt: str) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"{base}/v1/completions", body, {"Content-Type": "application/json"}
     )
@@ -106,4 +107,6 @@ def test_metrics_show_store_counters_after_two_requests(smollm2_path: Path, tmp_
     assert after_second["store_hits"] == 1 and after_second["store_hit_chunks"] == chunks
     assert after_second["loaded_chunks"] == chunks
     assert after_second.get("load_failures", 0) == 0
+    assert after_second["packs"] >= after_first["packs"] >= 1
+    assert after_second["blocks_released"] > after_first["blocks_released"] > 0
     assert "lmcompact" in log.read_text()
