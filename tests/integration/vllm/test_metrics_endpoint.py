@@ -35,7 +35,9 @@ def _get(url: str, timeout: float = 5.0) -> str:
 
 
 def _complete(base: str, prompt: str) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ).encode()
     request = urllib.request.Request(
         f"{base}/v1/completions", body, {"Content-Type": "application/json"}
     )
