@@ -1,15 +1,15 @@
 """What the connector does with fp8 KV caches (``kv_cache_dtype`` fp8, fp8_e4m3, fp8_e5m2).
 
 Supported: in-place packs (``release``), stored prefixes saved and loaded (whole or
-compacted, any policy of one count per (layer, head)), two-stage loads. Their bytes move
+compacted, any policy of one count per (layer, head)), two-stage loads, models with
+sliding-window layers. Their bytes move
 untouched and scores read the numbers the bytes decode to
 (:mod:`lmcompact.compaction.kv_quant`).
 
 Refused at start-up, each naming the combination: paths that compute attention or scores
-inside attention layers from cached K/V (per-head counts, H2O decode), models with
-sliding-window layers (not verified on fp8), the store's own quantization (the rows are
-fp8 already), and a store with KV scales other than 1.0 (stored bytes carry no scales, so
-an engine with other scales would read other numbers).
+inside attention layers from cached K/V (per-head counts, H2O decode), the store's own
+quantization (the rows are fp8 already), and a store with KV scales other than 1.0 (stored
+bytes carry no scales, so an engine with other scales would read other numbers).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ def refuse_fp8_combinations(config: ConnectorConfig, facts: engine.EngineFacts) 
         refused.append("release.decode_policy 'h2o'")
     if config.store.enabled and config.store.quantize is not None:
         refused.append(f"store.quantize {config.store.quantize!r} (the rows are fp8 already)")
-    if facts.sliding_window is not None and (config.compacts or config.release is not None):
-        refused.append(f"a model with sliding-window layers (window {facts.sliding_window})")
     if refused:
         raise ValueError(
             f"kv_cache_dtype {facts.kv_cache_dtype!r} cannot be combined with "

@@ -44,10 +44,8 @@ def test_fp8_refusals_name_the_combination(case: str) -> None:
     assert named in str(error.value)
 
 
-def test_fp8_refuses_sliding_window_models_that_compact() -> None:
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        spec(IN_PLACE, kv_cache_dtype="fp8_e5m2", sliding_window=512)
-    spec({"policy": "none", "store": {"chunk_size": 64}}, kv_cache_dtype="fp8", sliding_window=512)
+def test_fp8_accepts_sliding_window_models() -> None:
+    spec(IN_PLACE, kv_cache_dtype="fp8_e5m2", sliding_window=512)
 
 
 @pytest.mark.parametrize(
