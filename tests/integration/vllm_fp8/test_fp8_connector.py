@@ -171,3 +171,31 @@ def test_smollm2_store_round_trip_and_in_place(smollm2_path: Path) -> None:
         tokens, _ = reference.engine_greedy(llm, prompt, 16)
         counters = request_counters(llm)
     assert counters["packs"] == 1 and counters["blocks_released"] > 0 and len(tokens) == 16
+
+
+def test_two_stage_load_on_fp8(tiny_model: str) -> None:
+    """``compact_on`` ``"both"`` on fp8: the stored selection (Expected Attention, scored on
+    decoded keys) loads as fp8 bytes and is packed again to the budget at the prefill end."""
+    from connectors.vllm.offline import request_counters
+
+    extra = {
+        "policy": "snapkv",
+        "budget": 0.5,
+        "window": 16,
+        "store": {
+            "chunk_size": 2 * CHUNK,  # 4 blocks: 0.75 keeps 3
+            "compact_on": "both",
+            "budget": 0.75,
+            "policy": "expected_attention",
+            "async_save": False,
+        },
+        "release": {"prefill": "pack"},
+    }
+    with _engine(tiny_model, extra, **FP8) as llm:
+        reference.engine_greedy(llm, PROMPT, NEW_TOKENS)
+        tokens, logprobs = reference.engine_greedy(llm, PROMPT, NEW_TOKENS)
+        counters = request_counters(llm)
+        repacked = scheduler(llm).connector.scheduler.release_stats.repacked_loads
+    assert counters["loaded_chunks"] == 2 and counters["load_failures"] == 0
+    assert repacked == 1 and len(tokens) == NEW_TOKENS
+    assert all(lp > -30 for lp in logprobs)  # finite, no garbage attention
