@@ -469,6 +469,7 @@ class Worker:
             index = self.layer_index[name]
             for req_id, rows in self._capture_rows.items():
                 q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+                q = engine.query_numbers(layer, q, self.facts.dtype)  # fp8 queries (FA3)
                 # stays on the device (no host sync per layer): the GPU pack reads it there,
                 # the save path copies it to the host in _copy_job
                 self._captured[req_id][index].append(q.detach().clone())
@@ -484,6 +485,7 @@ class Worker:
         index = self.layer_index[name]
         for req_id, (rows, positions, spec) in self._recon_rows.items():
             q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+            q = engine.query_numbers(layer, q, self.facts.dtype)
             keys, _ = self.layout.read(
                 self.kv_caches[name], spec.block_ids, 0, int(positions.max()) + 1
             )

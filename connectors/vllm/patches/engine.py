@@ -199,6 +199,27 @@ def fp8_pages(kv_cache_dtype: str, layers: list[Any]) -> Fp8Pages:
     )
 
 
+def query_numbers(layer: Any, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Post-RoPE queries ``(tokens, heads, D)`` as numbers in ``dtype``.
+
+    With an fp8 KV cache, backends that read fp8 queries (FlashAttention 3 on vLLM 0.26)
+    get them quantized by the attention layer (``fp8(q / q_scale)``, one scale or one per
+    KV head's query group); other queries are returned as they are.
+    """
+    if query.element_size() != 1:
+        return query
+    numbers = query.to(dtype)
+    scale = getattr(layer, "_q_scale", None)
+    if scale is None:
+        return numbers
+    scale = scale.detach().to(numbers.device, dtype).flatten()
+    if scale.numel() == 1:
+        return numbers * scale
+    tokens, heads, dim = numbers.shape  # one scale per KV head's group of query heads
+    grouped = numbers.reshape(tokens, scale.numel(), heads // scale.numel() * dim)
+    return (grouped * scale[None, :, None]).view(tokens, heads, dim)
+
+
 def calculates_kv_scales(vllm_config: Any) -> bool:
     """Whether vLLM computes fp8 KV scales from the first batches (``calculate_kv_scales``)."""
     return bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
