@@ -41,8 +41,7 @@ def main() -> None:
         block_size=32,
         max_model_len=4096,
         # off so that the repeat below is a store hit; with it on (vLLM's default) vLLM's
-        # own cache serves the repeat while it holds the prompt (README, "With vLLM's
-        # prefix caching")
+        # own cache serves the repeat while it holds the prompt (docs/prefix-caching.md)
         enable_prefix_caching=False,
         kv_transfer_config=kv,
     )

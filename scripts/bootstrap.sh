@@ -2,7 +2,7 @@
 # Set up lmcompact on a fresh machine and run the main job or the test suite.
 #
 #   scripts/bootstrap.sh demo [args...]   # venv + model + `lmcompact demo` (real vLLM, CPU store)
-#   scripts/bootstrap.sh test [pytest args...]  # venv + redis + ruff + mypy + pytest
+#   scripts/bootstrap.sh test [pytest args...]  # venv + redis + ruff + mypy + docs + pytest
 #   scripts/bootstrap.sh env              # only build the venv; print its path
 #
 # Heavy things live outside the checkout, keyed by what they are built from:
@@ -93,6 +93,10 @@ case "$cmd" in
     ruff format --check .
     log "mypy"
     mypy
+    log "mkdocs build --strict"
+    site="$(mktemp -d)"  # the site is built to check it, never into the checkout
+    NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
+    rm -rf "$site"
     log "pytest"
     exec python -m pytest -q "$@"
     ;;

@@ -81,15 +81,26 @@ per-head choices under that count drop digits of numbers. kvzip keeps the class 
 The measurements behind each choice: ``docs/eval/RESULTS.md`` ("Defaults from more cells"
 for snapkv, "KVzip and Expected Attention against kvpress" for the other two)."""
 
+AUTO = "auto"
+"""The default of ``policy``, ``store.compact_on`` and ``store.quantize``: the recommended
+stored-prefix path (:func:`resolve_auto`)."""
 COMPACT_ON = ("save", "load", "both")
 TOKEN_SCORES = ("engine", "client")
-DEFAULT_STORE_BUDGET = 0.5
-"""``compact_on`` ``"both"``: the stored kept fraction unless ``store.budget`` says."""
+STORE_BUDGET_FACTOR = 1.8
+"""``compact_on`` ``"both"`` without ``store.budget``: the store keeps this times ``budget``
+(at most all, rounded down to whole blocks, above the final budget's blocks). int8 rows with
+their scales take about 0.52 of bf16, so the store then holds about ``budget`` of the full
+bf16 bytes, with up to twice the tokens the loading request keeps on the GPU: its
+query-aware pack chooses among them with the question in its window."""
 DEFAULT_STORE_POLICY = "self_info"
-"""``compact_on`` ``"both"``: the store's query-agnostic policy unless ``store.policy`` says."""
+"""The store's query-agnostic policy: ``compact_on`` ``"both"`` unless ``store.policy``
+says, and ``compact_on`` ``"save"`` when ``policy`` is left to ``"auto"``."""
+DEFAULT_PACK_POLICY = "snapkv"
+"""The query-aware policy of the loading request's pack when ``policy`` is ``"auto"``."""
 PACK_UNSUPPORTED = Need.CONTEXT_SCORES | Need.WINDOW_QUERIES
 """Inputs the in-place pack (:func:`lmcompact.compaction.pack.plan_pack`) does not compute."""
 
+_BUDGET_DEFAULT = 0.5
 BUDGET_TOLERANCE = 0.1
 """A budget is honoured when the kept fraction (whole blocks) is within 10% of it, relative."""
 
@@ -120,10 +131,16 @@ class ReleaseOptions:
             (StreamingLLM): the oldest block after the hole is dropped. ``"h2o"``
             (Heavy-Hitter Oracle): that block is first merged into the request's kept
             region, where each (layer, head) keeps its highest accumulated attention
-            mass (:mod:`lmcompact.compaction.heavy_hitters`).
-        decode_recent_tokens: ``h2o`` only: recent tokens kept in order after the hole when
-            the hole opens during generation (block aligned); None: half the budget. The
-            kept region is the rest of the budget (or the prompt's packed kept blocks).
+            mass (:mod:`lmcompact.compaction.heavy_hitters`). Any other name: a registered
+            score policy with a decode phase (``decoding_snapkv``, ``rkv``, a custom
+            one) chooses what the kept region keeps at each merge from the attention of
+            the last decode queries (:mod:`lmcompact.compaction.window_merge`).
+        decode_policy_params: hyper-parameters of such a decode policy (None: its
+            defaults).
+        decode_recent_tokens: merging decode policies only (not ``recent``): recent tokens
+            kept in order after the hole when the hole opens during generation (block
+            aligned); None: half the budget. The kept region is the rest of the budget (or
+            the prompt's packed kept blocks).
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
         per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
@@ -142,7 +159,8 @@ class ReleaseOptions:
 
     prefill: str = option("auto", choice(PREFILL_CHOICES))
     decode_budget_tokens: int | None = option(None, integer(1, nullable=True))
-    decode_policy: str = option("recent", choice(DECODE_POLICIES))
+    decode_policy: str = option("recent", text())
+    decode_policy_params: Mapping[str, Any] | None = option(None, mapping(nullable=True))
     decode_recent_tokens: int | None = option(None, integer(1, nullable=True))
     sink_blocks: int = option(1, integer(1))
     min_prompt_tokens: int = option(0, integer(0))
@@ -156,16 +174,42 @@ class ReleaseOptions:
         """Checks that relate several release options."""
         self.per_head_slack()  # raises on a bad per_head object
         g = RELEASE_KEY
-        if self.decode_recent_tokens is not None and self.decode_policy != "h2o":
-            raise ValueError(f"{g}.decode_recent_tokens needs decode_policy 'h2o'")
-        if self.decode_policy == "h2o":
+        name = self.decode_policy
+        if name not in DECODE_POLICIES:
+            try:
+                self.decode_policy_object()
+            except ValueError as error:
+                raise ValueError(
+                    f"{g}.decode_policy must be one of {list(DECODE_POLICIES)} or a decode "
+                    f"score policy: {error}"
+                ) from None
+        elif self.decode_policy_params is not None:
+            raise ValueError(f"{g}.decode_policy_params needs a policy name, not {name!r}")
+        if self.decode_recent_tokens is not None and not self.merges:
+            raise ValueError(
+                f"{g}.decode_recent_tokens needs decode_policy 'h2o' or a decode score policy"
+            )
+        if self.merges:
             if self.decode_budget_tokens is None:
-                raise ValueError(f"{g}.decode_policy 'h2o' needs decode_budget_tokens")
+                raise ValueError(f"{g}.decode_policy {name!r} needs decode_budget_tokens")
             if self.per_head is not None:
                 raise ValueError(
-                    f"{g}.decode_policy 'h2o' with per_head counts is not supported (the "
+                    f"{g}.decode_policy {name!r} with per_head counts is not supported (the "
                     "merge keeps every head's count equal)"
                 )
+
+    @property
+    def merges(self) -> bool:
+        """Whether blocks leaving the decode budget are merged into the kept region."""
+        return self.decode_policy != "recent"
+
+    def decode_policy_object(self) -> Any:
+        """The window-merge score policy (None for ``recent`` and ``h2o``)."""
+        if self.decode_policy in DECODE_POLICIES:
+            return None
+        from lmcompact.compaction.window_merge import decode_policy
+
+        return decode_policy(self.decode_policy, self.decode_policy_params)
 
     def per_head_slack(self) -> float | None:
         """The per-head slack, or None when every head keeps the same count."""
@@ -175,7 +219,7 @@ class ReleaseOptions:
     def needs_piecewise(self) -> bool:
         """Per-head counts and H2O decode work inside every attention call, decode
         included, so full CUDA graphs cannot run them."""
-        return self.per_head is not None or self.decode_policy == "h2o"
+        return self.per_head is not None or self.merges
 
     def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
         """The prefill mode for the connector's ``policy`` (``compacts``: a compacting
@@ -193,10 +237,11 @@ class ReleaseOptions:
                     f"{g}.prefill={self.prefill!r} needs a compacting policy and a "
                     f"budget < 1, got policy {policy!r}"
                 )
-        if self.decode_policy == "h2o" and mode is PrefillMode.BLOCKS:
+        if self.merges and mode is PrefillMode.BLOCKS:
             raise ValueError(
-                f"{g}.decode_policy 'h2o' needs a kept region, but prefill mode 'blocks' "
-                "leaves only the sink blocks before the hole; use prefill 'pack' or 'off'"
+                f"{g}.decode_policy {self.decode_policy!r} needs a kept region, but prefill "
+                "mode 'blocks' leaves only the sink blocks before the hole; use prefill "
+                "'pack' or 'off'"
             )
         if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(
@@ -217,10 +262,10 @@ class ReleaseOptions:
         return self.decode_budget_tokens // block_size
 
     def decode_recent_blocks(self, block_size: int) -> int | None:
-        """``h2o``: recent blocks after a hole opened during generation (None for
-        ``recent``); ValueError when not block aligned or leaving no kept region."""
+        """Merging decode policies: recent blocks after a hole opened during generation (None
+        for ``recent``); ValueError when not block aligned or leaving no kept region."""
         budget = self.decode_budget_blocks(block_size)
-        if self.decode_policy != "h2o" or budget is None:
+        if not self.merges or budget is None:
             return None
         if self.decode_recent_tokens is None:
             recent = budget // 2
@@ -275,7 +320,10 @@ class StoreOptions:
             than letting host memory grow without bound when prompts arrive faster than
             they are compacted.
         model_id: name that enters the store namespace; None uses the engine's model path.
-        compact_on: when the policy runs on a stored prefix. ``"save"``: chunks are compacted
+        compact_on: when the policy runs on a stored prefix. ``"auto"`` (default):
+            ``"both"`` when ``policy`` is ``"auto"``, the budget is below 1 and the release
+            group is not turned off, else ``"save"`` (:func:`resolve_auto`). ``"save"``:
+            chunks are compacted
             when they are saved (the observation window is the end of the saving prompt) and
             stored compacted. ``"load"``: chunks are stored whole (the namespace of policy
             ``none``, never mixed with compacted entries) and the loading request's own
@@ -295,7 +343,8 @@ class StoreOptions:
             enough. ``"client"``: the storing request carries ``token_scores`` in its
             ``kv_transfer_params`` (:func:`connectors.vllm.reconstruct.store_surprisal_context`).
         budget: ``compact_on`` ``"both"`` only: the kept fraction of stored chunks, above the
-            top-level ``budget`` (default 0.5).
+            top-level ``budget``. None (default): :data:`STORE_BUDGET_FACTOR` times
+            ``budget`` in whole blocks rounded down (at least one block above ``budget``).
         policy: ``compact_on`` ``"both"`` only: the policy of stored chunks; it sees no
             question, so a query-agnostic one (default ``self_info``, scored in the engine:
             ``token_scores``).
@@ -316,7 +365,9 @@ class StoreOptions:
             tier. Lossy: int8 errs by at most half a step (``absmax / 254`` of the row) per
             value, fp8 by ``2^-4`` of the value. The quantization enters the store
             namespace, so quantized and unquantized entries are never loaded for each other.
-            None (default): the engine dtype's bytes, exact.
+            None: the engine dtype's bytes, exact. ``"auto"`` (default): ``"int8"`` with
+            ``compact_on`` ``"both"`` (the store's looser selection in about the final
+            budget's bf16 bytes), else None.
     """
 
     chunk_size: int = option(
@@ -331,7 +382,7 @@ class StoreOptions:
     async_save: bool = option(True, boolean())
     max_pending_save_mb: int = option(8192, integer(1))
     model_id: str | None = option(None, text(nullable=True))
-    compact_on: str = option("save", choice(COMPACT_ON))
+    compact_on: str = option(AUTO, choice((AUTO, *COMPACT_ON)))
     token_scores: str = option("engine", choice(TOKEN_SCORES))
     budget: float | None = option(
         None, number(above=0, at_most=1, nullable=True, allowed="a kept fraction in (0, 1]")
@@ -341,14 +392,20 @@ class StoreOptions:
         None, mapping(nullable=True, allowed='an object like {"slack": 3}')
     )
     quantize: str | None = option(
-        None,
-        Rule(f"one of {list(QUANT_MODES)} or null", lambda v: v is None or v in QUANT_MODES),
+        AUTO,
+        Rule(
+            f"one of {[AUTO, *QUANT_MODES]} or null",
+            lambda v: v is None or v == AUTO or v in QUANT_MODES,
+        ),
     )
 
     def __post_init__(self) -> None:
         self.per_head_slack()  # raises on a bad per_head object
-        check_quantize(self.quantize, f"{STORE_KEY}.quantize")  # fp8 needs torch's float8
-        if self.compact_on != "both" and (self.budget is not None or self.policy is not None):
+        if self.quantize != AUTO:  # fp8 needs torch's float8
+            check_quantize(self.quantize, f"{STORE_KEY}.quantize")
+        if self.compact_on not in ("both", AUTO) and (
+            self.budget is not None or self.policy is not None
+        ):
             raise ValueError(
                 f'{STORE_KEY}.budget and {STORE_KEY}.policy apply to compact_on "both" (the '
                 f"store's own selection), got compact_on {self.compact_on!r}"
@@ -374,7 +431,7 @@ class StoreOptions:
             cpu_capacity_bytes=self.cpu_capacity_mb << 20 if "cpu" in self.tiers else None,
             redis_url=self.redis_url if "redis" in self.tiers else None,
             redis_ttl_s=self.redis_ttl_s,
-            quantize=self.quantize,
+            quantize=None if self.quantize == AUTO else self.quantize,
         )
 
 
@@ -387,7 +444,11 @@ class ConnectorConfig:
 
     Attributes:
         policy: compaction policy name (``lmcompact policies`` lists them); ``"none"`` stores
-            the full KV and is exact.
+            the full KV and is exact. ``"auto"`` (default): the recommended path for where
+            it runs (:func:`resolve_auto`): with ``compact_on`` ``"both"`` (its own default
+            then) the store keeps a ``self_info`` selection scored in the engine and the
+            loading request packs it with ``snapkv``; with ``"save"``, ``self_info``; with
+            ``"load"``, ``snapkv``.
         policy_params: the policy's hyper-parameters besides the budget; unset ones take
             :data:`POLICY_DEFAULTS` (snapkv: ``kernel_size`` 15), then the policy's own.
         budget: kept fraction, in (0, 1]; kept as whole KV blocks, so the engine refuses a
@@ -408,9 +469,11 @@ class ConnectorConfig:
         release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
     """
 
-    policy: str = option("none", text(allowed="a policy name"))
+    policy: str = option(AUTO, text(allowed="a policy name"))
     policy_params: Mapping[str, Any] = option(None, mapping(), factory=dict)
-    budget: float = option(0.5, number(above=0, at_most=1, allowed="a kept fraction in (0, 1]"))
+    budget: float = option(
+        _BUDGET_DEFAULT, number(above=0, at_most=1, allowed="a kept fraction in (0, 1]")
+    )
     window: int = option(32, integer(0))
     cuda_graphs: str = option("piecewise", choice(CUDA_GRAPHS))
     store: StoreOptions = dataclasses.field(default_factory=StoreOptions)
@@ -425,6 +488,10 @@ class ConnectorConfig:
         if "memory" in top:
             raise ValueError(f'{EXTRA} "memory" is now the "release" group: rename the key')
         store = _store_group(top)
+        release_off = RELEASE_KEY in top and top[RELEASE_KEY] in (False, None)
+        budget = top.get("budget", _BUDGET_DEFAULT)
+        below_one = not isinstance(budget, (int, float)) or budget < 1  # bad ones: parse says
+        top["policy"], store = resolve_auto(top.get("policy", AUTO), store, release_off, below_one)
         implied = RELEASE_KEY not in top and store.compact_on in ("load", "both")
         group = ReleaseOptions() if implied else _release_group(top)
         config = parse(cls, top, EXTRA, store=store, release=group)
@@ -432,6 +499,12 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         """Checks that relate the policy and the groups (none needs the engine)."""
+        if AUTO in (self.policy, self.store.compact_on, self.store.quantize):
+            # built directly rather than by from_extra: no release group means it is off
+            below_one = float(self.budget) < 1
+            name, store = resolve_auto(self.policy, self.store, self.release is None, below_one)
+            object.__setattr__(self, "policy", name)
+            object.__setattr__(self, "store", store)
         policy = self.policy_object  # unknown policy or bad parameters raise here
         load_packs = self.compacts and self.store.compact_on in ("load", "both")
         if self.compacts and self.store.compact_on == "both":
@@ -537,10 +610,19 @@ class ConnectorConfig:
 
     @property
     def store_budget(self) -> float:
-        """The kept fraction of stored chunks."""
+        """The kept fraction of stored chunks (nominal: ``kept_per_chunk`` rounds it to
+        whole blocks)."""
         if self.store.compact_on == "both":
-            return DEFAULT_STORE_BUDGET if self.store.budget is None else float(self.store.budget)
+            if self.store.budget is None:
+                return min(1.0, STORE_BUDGET_FACTOR * float(self.budget))
+            return float(self.store.budget)
         return float(self.budget)
+
+    @property
+    def derived_store_budget(self) -> bool:
+        """Whether the stored fraction is the default of ``compact_on`` ``"both"`` (rounded
+        down to whole blocks, never refused for its rounding)."""
+        return self.two_stage and self.store.budget is None
 
     @property
     def effective_params(self) -> dict[str, Any]:
@@ -618,7 +700,12 @@ class ConnectorConfig:
         chunk = self.store.chunk_size
         if not self.store_compacts:
             return chunk
-        return kept_blocks(self.store_budget, chunk // block_size) * block_size
+        blocks = chunk // block_size
+        if self.derived_store_budget:
+            floor = math.floor(self.store_budget * blocks + 1e-9)
+            above_final = kept_blocks(float(self.budget), blocks) + 1
+            return min(blocks, max(floor, above_final)) * block_size
+        return kept_blocks(self.store_budget, blocks) * block_size
 
     def slots_per_chunk(self, block_size: int) -> int:
         """Slots one loaded chunk takes in a request's block row: K, or with
@@ -632,6 +719,33 @@ class ConnectorConfig:
         chunk = self.store.chunk_size
         blocks = -(-math.ceil(kept * slack - 1e-9) // block_size)
         return max(kept, min(blocks * block_size, chunk - block_size))
+
+
+def resolve_auto(
+    policy: str, store: StoreOptions, release_off: bool, below_one: bool
+) -> tuple[str, StoreOptions]:
+    """The policy and store options with every ``"auto"`` made concrete.
+
+    ``store.compact_on`` ``"auto"`` is ``"both"`` when the policy is ``"auto"`` too, the
+    budget is below 1 (``below_one``) and the release group is not turned off
+    (``release_off``): a question-agnostic selection in the store, packed by each loading
+    request with its own question (the only stage a query-aware policy can see it); a
+    named policy runs where it is named to (``"save"``), the exact path of policy
+    ``"none"`` included. ``policy`` ``"auto"`` is ``self_info`` on the save path and
+    ``snapkv`` where a loading request packs. ``store.quantize`` ``"auto"`` is ``"int8"``
+    with ``"both"`` and None otherwise.
+    """
+    on = store.compact_on
+    if on == AUTO:
+        on = "both" if policy == AUTO and below_one and not release_off else "save"
+    if policy == AUTO:
+        policy = DEFAULT_STORE_POLICY if on == "save" else DEFAULT_PACK_POLICY
+    quantize = store.quantize
+    if quantize == AUTO:
+        quantize = "int8" if on == "both" else None
+    if (on, quantize) == (store.compact_on, store.quantize):
+        return policy, store
+    return policy, dataclasses.replace(store, compact_on=on, quantize=quantize)
 
 
 def _store_group(top: dict[str, Any]) -> StoreOptions:

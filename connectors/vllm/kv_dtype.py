@@ -7,7 +7,8 @@ untouched and scores read the numbers the bytes decode to
 (:mod:`lmcompact.compaction.kv_quant`).
 
 Refused at start-up, each naming the combination: paths that compute attention or scores
-inside attention layers from cached K/V (per-head counts, H2O decode), the store's own
+inside attention layers from cached K/V (per-head counts, decode policies other than
+"recent": H2O, window-scored ones), the store's own
 quantization (the rows are fp8 already), and a store with KV scales other than 1.0 (stored
 bytes carry no scales, so an engine with other scales would read other numbers).
 """
@@ -29,8 +30,8 @@ def refuse_fp8_combinations(config: ConnectorConfig, facts: engine.EngineFacts) 
         refused.append("release.per_head (per-head counts)")
     if config.store.per_head is not None:
         refused.append("store.per_head (per-head counts)")
-    if release is not None and release.decode_policy == "h2o":
-        refused.append("release.decode_policy 'h2o'")
+    if release is not None and release.decode_policy != "recent":
+        refused.append(f"release.decode_policy {release.decode_policy!r}")
     if config.store.enabled and config.store.quantize is not None:
         refused.append(f"store.quantize {config.store.quantize!r} (the rows are fp8 already)")
     if refused:

@@ -46,14 +46,12 @@ request's new blocks, so they already count for this step's admissions.
 Admission without thrash (``reserve_growth``): a request that holds no block yet is refused
 (vLLM keeps it waiting) unless::
 
-    free_blocks - need(new) >= sum over running r of pending(r)
+    free_blocks - peak(new) >= sum over running r of max(0, peak(r) - own blocks(r))
 
-    need(new)  = max(cdiv(P, bs), cdiv(P + M, bs) - hole(P))    its peak holding
-    pending(r) = max(prompt blocks r still has to allocate,
-                     cdiv(P + M, bs) - len(row(r)) - hole still to come back)
-
-with P the prompt, M ``max_tokens`` and ``hole(P)`` the blocks a prompt of P tokens gives back
-at prefill end. When no request is running, nothing is refused.
+with ``peak`` the most blocks a request can ever hold (:mod:`lmcompact.compaction.admission`):
+its prompt, or its growth up to ``max_tokens`` minus its prompt's hole, or with a decode budget
+of B blocks at most ``max(B, kept blocks) + 1`` (+1 with tokens in flight). When no request is
+running, nothing is refused.
 
 H2O decode: a block that joins the hole in schedule ``t`` is released there too, but its
 tokens are still needed; its :class:`~lmcompact.compaction.heavy_hitters.MergeJob` (with the
@@ -91,8 +89,10 @@ from connectors.vllm.reconstruct import (
 )
 from connectors.vllm.requests import HoleState, RequestState, RequestStates
 from connectors.vllm.spec import ConnectorSpec
+from lmcompact.compaction import admission
+from lmcompact.compaction.admission import RequestShape
 from lmcompact.compaction.heavy_hitters import MergeJob
-from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
+from lmcompact.compaction.hole_planner import HolePlanner
 from lmcompact.compaction.holes import keyed_by_last_block
 from lmcompact.compaction.save_job import SCORE_NEEDS
 from lmcompact.policies import Need
@@ -773,12 +773,15 @@ class Scheduler:
             first = hole.start if old_stop is None else old_stop
             if hole.start > planner.sink_blocks and self._h2o_owned(req_id):
                 ids = [block.block_id for block in row]  # the merged blocks, before release
+                bs = self.block_size
                 self._next.merges.append(
                     MergeJob(
                         req_id,
                         tuple(ids[: hole.start]),
                         tuple(ids[first : hole.stop]),
-                        planner.sink_blocks * self.block_size,
+                        planner.sink_blocks * bs,
+                        tuple(ids[hole.stop : -(-processed // bs)]),
+                        processed - hole.stop * bs,
                     )
                 )
         self._release(req_id)
@@ -863,48 +866,52 @@ class Scheduler:
         meta.captures.append(CaptureSpec(req_id, slots, positions))
 
     # ------------------------------------------------------------------ admission
-    def _hole_blocks(self, prompt_len: int) -> int:
-        """Blocks a fresh prompt of ``prompt_len`` tokens gives back at prefill end."""
+    def _shape(self, request: Any) -> RequestShape:
+        """What bounds the request's blocks (:mod:`lmcompact.compaction.admission`): its
+        hole as planned, or as a fresh prompt would get it; its decode budget when its
+        hole can grow (a compacted store load's hole is never grown: no budget then)."""
         planner = self._planner()
-        nb = prompt_len // self.block_size
-        if planner.prefill_mode is PrefillMode.OFF or nb < planner.min_prompt_blocks:
-            return 0
-        kb = planner.kept_blocks(nb)
-        if kb >= nb:
-            return 0
-        if planner.prefill_mode is PrefillMode.PACK:
-            return nb - planner.reserved_blocks(kb, nb)
-        return nb - kb
-
-    def _final_blocks(self, request: Any) -> int | None:
-        """Logical blocks the request will have once it generated ``max_tokens``."""
+        prompt_len = int(request.num_prompt_tokens)
         max_tokens = getattr(request, "max_tokens", None)
-        if max_tokens is None:
-            return None
-        total = int(request.num_prompt_tokens) + int(max_tokens)
-        return -(-total // self.block_size)
+        state = self.states.get(request.request_id)
+        hole = None if state is None else state.hole
+        if hole is not None:
+            kept, length, grows = hole.start, hole.length, hole.owned
+        else:
+            kept, length = planner.fresh_hole(prompt_len)
+            # a compacted load about to be allocated opens a hole the budget cannot grow
+            loading = state is not None and state.pending > 0
+            grows = not (loading and self.slots < self.config.store.chunk_size)
+        return RequestShape(
+            prompt_tokens=prompt_len,
+            max_tokens=None if max_tokens is None else int(max_tokens),
+            block_size=self.block_size,
+            hole_blocks=length,
+            kept_blocks=kept,
+            decode_budget_blocks=planner.decode_budget_blocks if grows else None,
+            lookahead_tokens=self.spec.facts.lookahead_tokens,
+            prompt_computed=int(request.num_computed_tokens) >= prompt_len,
+        )
+
+    def _own_blocks(self, req_id: str) -> int:
+        """Blocks the request holds that no other request shares (what the pool gets back)."""
+        return sum(
+            1 for block in self._ledger().blocks(req_id) if not block.is_null and block.ref_cnt == 1
+        )
 
     def pending_blocks(self, request: Any) -> int:
         """Blocks a running request may still take from the pool (see the module doc)."""
-        final = self._final_blocks(request)
-        row = self._ledger().blocks(request.request_id)
-        if final is None:
-            return 0
-        prompt_len = int(request.num_prompt_tokens)
-        remaining = final - len(row)
-        if request.request_id in self._planner().holes:  # packed or planned: it came back
-            return max(0, remaining)
-        prompt_rest = -(-prompt_len // self.block_size) - len(row)
-        return max(0, prompt_rest, remaining - self._hole_blocks(prompt_len))
+        peak = self._shape(request).peak_blocks
+        return admission.pending_blocks(peak, self._own_blocks(request.request_id))
 
     def admits(self, request: Any) -> bool:
         """Whether a request may get blocks now (always, unless it is a new admission that
-        would eat the growth reserved for running requests)."""
+        would eat the blocks reserved for running requests to reach their peaks)."""
         if not self.reserve_growth or self.ledger is None:
             return True
         ledger = self.ledger
         if ledger.blocks(request.request_id):
-            return True  # already running: its growth was reserved
+            return True  # already running: its peak was reserved
         running = [
             state.request
             for rid, state in self.states.items()
@@ -912,12 +919,8 @@ class Scheduler:
         ]
         if not running:
             return True
-        final = self._final_blocks(request)
-        prompt_len = int(request.num_prompt_tokens)
-        full = -(-prompt_len // self.block_size)
-        need = full if final is None else max(full, final - self._hole_blocks(prompt_len))
-        reserve = sum(self.pending_blocks(r) for r in running)
-        if ledger.num_free() - need >= reserve:
+        need = self._shape(request).peak_blocks
+        if admission.admits(ledger.num_free(), need, map(self.pending_blocks, running)):
             return True
         self.release_stats.admissions_deferred += 1
         return False

@@ -239,7 +239,7 @@ def check_against_engine(
         )
     if not config.compacts:
         return
-    if config.store_compacts and config.store.enabled:
+    if config.store_compacts and config.store.enabled and not config.derived_store_budget:
         # chunks stored whole (compact_on "load") are packed per prompt, checked there
         check_budget_geometry(config.store_budget, chunk, block_size)
     missing = policy.needs & UNSUPPORTED_NEEDS
@@ -262,7 +262,8 @@ def check_against_engine(
     # the count each policy must honour per chunk, whether it runs at save or at load
     checked = [(config.policy, policy, float(config.budget))]
     if config.two_stage:
-        checked.append((config.store_policy_name, config.store_policy_object, config.store_budget))
+        store_kept = config.kept_per_chunk(block_size) / chunk
+        checked.append((config.store_policy_name, config.store_policy_object, store_kept))
     for name, each, budget in checked:
         kept = kept_blocks(budget, chunk // block_size) * block_size
         _check_uniform(name, each, chunk, kept, config.window, facts)
@@ -314,8 +315,8 @@ def refuse_under_tensor_parallel(config: ConnectorConfig, tp_size: int) -> None:
     refused = []
     if release.per_head is not None:
         refused.append("release.per_head (per-head counts)")
-    if release.decode_policy == "h2o":
-        refused.append("release.decode_policy 'h2o'")
+    if release.merges:
+        refused.append(f"release.decode_policy {release.decode_policy!r}")
     if refused:
         raise ValueError(
             f"{' and '.join(refused)} with tensor_parallel_size {tp_size}: "

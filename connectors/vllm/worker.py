@@ -48,7 +48,14 @@ from connectors.vllm.patches import engine
 from connectors.vllm.patches import runner as runner_patch
 from connectors.vllm.reconstruct import ReconstructScores
 from connectors.vllm.spec import ConnectorSpec
-from lmcompact.compaction.chunks import LOAD_GROUP_BYTES, chunk_problem, full_nbytes, runs_of_bytes
+from lmcompact.compaction.chunks import (
+    BF16_BYTES,
+    LOAD_GROUP_BYTES,
+    chunk_problem,
+    full_nbytes,
+    runs_of_bytes,
+    stored_nbytes,
+)
 from lmcompact.compaction.device_pack import DevicePacker
 from lmcompact.compaction.heavy_hitters import HeavyHitterScores
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
@@ -59,6 +66,7 @@ from lmcompact.compaction.page_layout import PageLayout, make_layout
 from lmcompact.compaction.per_head import head_rows, layer_runs, on_device
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
+from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
@@ -106,7 +114,7 @@ class Worker:
         # made at register: per-head recompute (store.per_head or release.per_head), H2O
         # decode scores, the GPU packer
         self.perhead: PerHeadAttention | None = None
-        self.heavy: HeavyHitterScores | None = None
+        self.heavy: HeavyHitterScores | WindowScores | None = None
         self.device_packer: DevicePacker | None = None
         self.warm_up_s: list[tuple[int, float]] = []
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
@@ -136,6 +144,7 @@ class Worker:
         # in-engine surprisal (store.token_scores "engine"): per request (prompt_len,)
         # scores, and this step's rows to score after the forward pass
         self._surprisal: dict[str, torch.Tensor] = {}
+        self._load_device: torch.device | None = None  # set with the KV caches
         self._surprisal_rows: dict[str, tuple[torch.Tensor, wire.SurprisalSpec]] = {}
         self.engine_scores = (
             self.policy.scores_given and config.store.token_scores == "engine" and config.store.save
@@ -157,6 +166,7 @@ class Worker:
             "saved_chunks": 0,
             "bytes_stored": 0,
             "bytes_full": 0,
+            "bytes_full_bf16": 0,
             "compact_s": 0.0,
             "compact_tokens": 0,
             "save_errors": 0,
@@ -186,6 +196,13 @@ class Worker:
         if missing:
             raise ValueError(f"no KV cache registered for attention layers {missing[:3]}")
         self.kv_caches = {name: kv_caches[name] for name in self.layers}
+        first_cache = next(iter(self.kv_caches.values()), None)
+        # a quantized host tier dequantizes loaded chunks where the pages live
+        self._load_device = (
+            first_cache.device
+            if isinstance(first_cache, torch.Tensor) and first_cache.is_cuda
+            else None
+        )
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
         if len(self.layers) != self.facts.num_layers:
             raise ValueError(
@@ -733,7 +750,7 @@ class Worker:
         """The load's chunks, verified against this engine; None if any is missing or bad."""
         keys = self.slice_keys(load.keys)
         try:
-            found = self.store.get_many(keys)
+            found = self.store.get_many(keys, self._load_device)
         except Exception:  # tiers answer misses for faults; this is a last guard
             logger.exception("fetching %d chunks for %s failed", len(load.keys), load.req_id)
             found = [None] * len(load.keys)
@@ -916,6 +933,7 @@ class Worker:
             )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
+            quantize = self.config.store.quantize
             with self._lock:
                 for (key, _), ok in zip(items, stored, strict=True):
                     (self._report.saved if ok else self._report.save_failed).add(key)
@@ -925,8 +943,11 @@ class Worker:
                 self.stats["compact_tokens"] += len(items) * self.config.store.chunk_size
                 for (_, chunk), ok in zip(items, stored, strict=True):
                     if ok:
-                        self.stats["bytes_stored"] += chunk.payload_nbytes
+                        self.stats["bytes_stored"] += stored_nbytes(chunk, quantize)
                         self.stats["bytes_full"] += full_nbytes(chunk, self.facts.head_dim)
+                        self.stats["bytes_full_bf16"] += full_nbytes(
+                            chunk, self.facts.head_dim, BF16_BYTES
+                        )
             logger.info(
                 "stored %s: %d/%d chunks, kept %d of %d tokens per (layer, head)%s (%s), %.3f s",
                 job.req_id,
@@ -935,7 +956,7 @@ class Worker:
                 len(items) * self.kept,
                 len(items) * self.config.store.chunk_size,
                 "" if self.cap is None else " on average",
-                self.config.policy,
+                self.config.store_policy_name,
                 elapsed,
             )
         except Exception:  # never take the engine down for a failed save
@@ -959,7 +980,10 @@ class Worker:
         self._refuse_with_sliding_layers()
         if planner.per_head_slack is not None:
             self.perhead = self._observer(PerHeadAttention)
-        if planner.decode_recent_blocks is not None:
+        decode = None if self.config.release is None else self.config.release.decode_policy_object()
+        if planner.decode_recent_blocks is not None and decode is not None:
+            self.heavy = self._observer(WindowScores, policy=decode, window=decode_window(decode))
+        elif planner.decode_recent_blocks is not None:
             self.heavy = self._observer(HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads)
         if self.perhead is not None or self.heavy is not None:
             # both read this step's holes inside attention layers, on uncut metadata

@@ -75,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cProfile one more hit (with --decode-tokens: and its decode); top functions "
         "in the JSON",
     )
+    parser.add_argument(
+        "--configs",
+        type=json.loads,
+        default=None,
+        help="JSON object, row label -> a whole kv_connector_extra_config (e.g. "
+        '\'{"default": {"budget": 0.25}, "none": {"policy": "none"}}\'); replaces '
+        "--policies/--budget (store.chunk_size defaults to --chunk-size)",
+    )
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
 
 
@@ -102,18 +110,29 @@ def measure(
     policy_params: dict[str, Any] | None = None,
     per_head_slack: float | None = None,
     decode_tokens: int = 0,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One row: ``policy`` at ``budget``, or with ``config`` that whole
+    ``kv_connector_extra_config`` (``policy`` is then the row's label)."""
     from connectors.vllm import offline
 
-    store: dict[str, Any] = {"chunk_size": chunk_size}
-    extra: dict[str, Any] = {"policy": policy, "budget": budget, "window": 64, "store": store}
-    if policy_params:
-        extra["policy_params"] = policy_params
-    if per_head_slack is not None and policy != "none":
-        store["per_head"] = {"slack": per_head_slack}
+    if config is not None:
+        extra = json.loads(json.dumps(config))  # a copy the bench may add store options to
+        store = extra.setdefault("store", {})
+        store.setdefault("chunk_size", chunk_size)
+        budget = float(extra.get("budget", 0.5))
+    else:
+        store = {"chunk_size": chunk_size}
+        extra = {"policy": policy, "budget": budget, "window": 64, "store": store}
+        if policy_params:
+            extra["policy_params"] = policy_params
+        if per_head_slack is not None and policy != "none":
+            store["per_head"] = {"slack": per_head_slack}
     dtype, engine = engine_options(shape)
     if shape is not None:
-        store["cpu_capacity_mb"] = 16384  # a 16k prompt of the 8B shape is 2 GiB uncompacted
+        store.setdefault(
+            "cpu_capacity_mb", 16384
+        )  # a 16k prompt of the 8B shape is 2 GiB uncompacted
     llm = offline.build_llm(
         model,
         extra,
@@ -145,11 +164,12 @@ def measure(
             }
     finally:
         offline.shutdown(llm)
-    if stats.get("loaded_chunks", 0) <= before.get("loaded_chunks", 0) and policy != "none":
+    exact = policy == "none" or (config is not None and config.get("policy") == "none")
+    if stats.get("loaded_chunks", 0) <= before.get("loaded_chunks", 0) and not exact:
         logger.warning("%s: the repeated prompt loaded nothing from the store", policy)
     row: dict[str, Any] = {
         "policy": policy,
-        "budget": budget if policy != "none" else 1.0,
+        "budget": budget if not exact else 1.0,
         "prompt_tokens": len(prompt),
         "ttft_cold_s": cold.seconds,
         "ttft_recompute_s": miss.seconds,
@@ -166,7 +186,16 @@ def measure(
             if stats.get("compact_tokens")
             else None
         ),
+        "stored_vs_bf16": (
+            stats["bytes_stored"] / stats["bytes_full_bf16"]
+            if stats.get("bytes_full_bf16")
+            else None
+        ),
+        "surprisal_tokens": int(stats.get("surprisal_tokens", 0)),
+        "surprisal_s": float(stats.get("surprisal_s", 0.0)),
     }
+    if config is not None:
+        row["config"] = config
     row.update(decode)
     if decode:
         row["decode_ratio"] = decode["decode_ms_hit"] / decode["decode_ms_recompute"]
@@ -177,6 +206,17 @@ def measure(
     if hot_spots is not None:
         row["profile_hit"] = hot_spots
     return row
+
+
+def _add_prefill_ratios(rows: list[dict[str, Any]]) -> None:
+    """``recompute_vs_exact``: each row's recompute (a prefill that also saves, scoring
+    its tokens where the store policy needs it) over the exact row's (budget 1), measured
+    in the same invocation; absent without an exact row."""
+    exact = next((r for r in rows if r["budget"] == 1.0), None)
+    if exact is None or not exact["ttft_recompute_s"]:
+        return
+    for r in rows:
+        r["recompute_vs_exact"] = r["ttft_recompute_s"] / exact["ttft_recompute_s"]
 
 
 def _other_prompt(prompt: list[int]) -> list[int]:
@@ -231,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=gen).tolist()
         else:
             prompt = _text_prompt(args)
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        configs: dict[str, Any] = args.configs or {}
+        if not isinstance(configs, dict) or not all(isinstance(c, dict) for c in configs.values()):
+            raise SystemExit("--configs must be a JSON object of label -> object")
+        policies = list(configs) or [p.strip() for p in args.policies.split(",") if p.strip()]
         rows = [
             measure(
                 args.model,
@@ -245,9 +288,11 @@ def run(args: argparse.Namespace) -> int:
                 args.policy_params.get(policy),
                 args.per_head_slack,
                 args.decode_tokens,
+                configs.get(policy),
             )
             for policy in tqdm(policies, desc="policies")
         ]
+        _add_prefill_ratios(rows)
     print(
         format_table(
             rows,
@@ -261,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
                 "speedup",
                 "stored_fraction",
                 "compaction_s_per_1k_tokens",
+                "stored_vs_bf16",
+                "recompute_vs_exact",
                 *(
                     ["decode_ms_recompute", "decode_ms_hit", "decode_ratio"]
                     if args.decode_tokens

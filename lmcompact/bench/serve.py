@@ -71,6 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=32, help="observation window queries")
     parser.add_argument("--no-reserve", action="store_true", help="admission without reserve")
     parser.add_argument("--no-warm-up", action="store_true", help="skip start-up warm-up")
+    parser.add_argument(
+        "--decode-budget-tokens",
+        type=int,
+        default=None,
+        help="release.decode_budget_tokens: generated tokens a request may hold (long "
+        "generation); None: unbounded",
+    )
+    parser.add_argument(
+        "--decode-policy",
+        default=None,
+        help="release.decode_policy with --decode-budget-tokens (default: the connector's)",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     parser.add_argument(
         "--cuda-graphs",
@@ -217,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
             "reserve_growth": not args.no_reserve,
             "warm_up": not args.no_warm_up,
         }
+        if args.decode_budget_tokens is not None:
+            memory["decode_budget_tokens"] = args.decode_budget_tokens
+            if args.decode_policy is not None:
+                memory["decode_policy"] = args.decode_policy
+        elif args.decode_policy is not None:
+            raise ValueError("--decode-policy needs --decode-budget-tokens")
 
         def show(name: str, result: dict[str, Any]) -> None:
             print(format_table([_row(name, result)]), file=sys.stderr, flush=True)

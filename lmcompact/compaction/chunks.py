@@ -14,6 +14,7 @@ import torch
 
 from lmcompact.plan import KeepPlan
 from lmcompact.store import CompactedChunk
+from lmcompact.store.quant import FLOAT_DTYPES, quantized_nbytes
 
 
 class EngineShape(Protocol):
@@ -160,10 +161,27 @@ def chunk_problem(
     return None
 
 
-def full_nbytes(chunk: CompactedChunk, head_dim: int) -> int:
-    """Bytes of K and V the chunk would hold uncompacted (every token of every head)."""
+BF16_BYTES = 2
+"""Bytes of one bfloat16 value: the reference dtype of stored-byte fractions (serving
+engines run bf16; a float32 engine's chunks would flatter a quantized store 2x)."""
+
+
+def full_nbytes(chunk: CompactedChunk, head_dim: int, element_size: int | None = None) -> int:
+    """Bytes of K and V the chunk would hold uncompacted (every token of every head), in
+    the chunk's dtype or at ``element_size`` bytes a value."""
     rows = chunk.num_layers * chunk.num_kv_heads * chunk.num_tokens
-    return rows * 2 * head_dim * chunk.keys.element_size()
+    return rows * 2 * head_dim * (element_size or chunk.keys.element_size())
+
+
+def stored_nbytes(chunk: CompactedChunk, quantize: str | None) -> int:
+    """Payload bytes the store holds for ``chunk``: its quantized rows, scales and
+    positions under ``quantize`` (floating chunks only; others are stored as they are),
+    else its packed payload."""
+    if quantize is None or chunk.dtype not in FLOAT_DTYPES:
+        return chunk.payload_nbytes
+    return quantized_nbytes(
+        chunk.total_kept, chunk.keys.shape[1], chunk.values.shape[1], chunk.num_tokens
+    )
 
 
 LOAD_GROUP_BYTES = 256 << 20

@@ -72,12 +72,17 @@ class MergeJob:
         merged_blocks: physical ids of the blocks joining the hole, in logical order (read
             before vLLM reuses them).
         sink_tokens: leading slots never replaced (whole sink blocks).
+        tail_blocks: physical ids of the blocks after the hole (the request's recent
+            tokens), read by window-scored merges (:mod:`lmcompact.compaction.window_merge`).
+        tail_tokens: tokens computed in ``tail_blocks``.
     """
 
     req_id: str
     kept_blocks: tuple[int, ...]
     merged_blocks: tuple[int, ...]
     sink_tokens: int
+    tail_blocks: tuple[int, ...] = ()
+    tail_tokens: int = 0
 
 
 def merge_heavy_hitters(

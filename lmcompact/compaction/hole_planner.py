@@ -264,6 +264,21 @@ class HolePlanner:
         )
         return Pack(req_id, visible * bs, kb * bs, kb * bs, 0), old
 
+    def fresh_hole(self, prompt_len: int) -> tuple[int, int]:
+        """``(start, length)`` in blocks of the hole a fresh prompt of ``prompt_len`` tokens
+        gets at its prefill end, without protected blocks; ``(0, 0)`` when it gets none."""
+        nb = prompt_len // self.block_size
+        if self.prefill_mode is PrefillMode.OFF or nb < self.min_prompt_blocks:
+            return 0, 0
+        kb = self.kept_blocks(nb)
+        if kb >= nb:
+            return 0, 0
+        if self.prefill_mode is PrefillMode.PACK:
+            kr = self.reserved_blocks(kb, nb)
+            return kr, nb - kr
+        sinks = min(self.sink_blocks, kb)
+        return sinks, nb - kb
+
     # ------------------------------------------------------------------ decode
     def grow_for_decode(
         self, req_id: str, first_block: int, prompt_len: int, processed_tokens: int, step: int

@@ -16,7 +16,12 @@ from lmcompact.eval import tasks
 from lmcompact.eval.text import haystack_text
 
 TASKS = ("multi_needle", "needle")
-MODES = ("save", "load", "both", "inplace")
+MODES = ("default", "save", "load", "both", "inplace")
+DEFAULT_MODE = "default"
+"""The connector with nothing but ``budget`` (and a fresh store namespace): its defaults
+choose the policy, where it runs and the store's encoding, as a ``vllm serve`` user who
+sets only a budget gets them."""
+STORED_MODES = ("default", "save", "load", "both")
 BASELINE = "none"
 """``compact_on`` of the full-cache rows (no connector)."""
 
@@ -141,7 +146,13 @@ def connector_extra(
     mode: str, policy: str, budget: float, config: VllmEvalConfig, namespace: str
 ) -> dict[str, Any]:
     """``kv_connector_extra_config`` of one cell (saves inline, so a question always finds
-    what the first request stored)."""
+    what the first request stored; the ``default`` mode keeps the background saves and the
+    runner waits for them)."""
+    if mode == DEFAULT_MODE:
+        store_options: dict[str, Any] = {"model_id": namespace}
+        if config.chunk_size != VllmEvalConfig.chunk_size:
+            store_options["chunk_size"] = config.chunk_size
+        return {"budget": budget, "store": store_options}
     store: dict[str, Any] = {
         "chunk_size": config.chunk_size,
         "async_save": False,
@@ -217,13 +228,16 @@ def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: s
         label += f"/per_head{config.per_head_slack:g}"
     if mode == "both":
         label += f"<-{config.store_policy or 'self_info'}@{config.store_budget:g}"
-    return label
+    return label if mode != DEFAULT_MODE else DEFAULT_MODE
 
 
 def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
     """``(mode, policy, budget)`` of every compacted cell, baseline first."""
     yield BASELINE, BASELINE, 1.0
     for mode in config.modes:
+        if mode == DEFAULT_MODE:
+            yield from ((mode, "auto", budget) for budget in config.budgets)
+            continue
         for policy in config.policies:
             for budget in config.budgets:
                 if mode == "both" and budget >= config.store_budget:

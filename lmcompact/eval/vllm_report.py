@@ -15,14 +15,16 @@ from typing import Any
 from lmcompact.eval.tables import fmt, group_by, table_head
 
 KEY = ("engine", "model", "task", "context", "compact_on", "policy", "budget")
-MODE_ORDER = {"none": 0, "save": 1, "load": 2, "both": 3, "inplace": 4}
+MODE_ORDER = {"none": 0, "default": 1, "save": 2, "load": 3, "both": 4, "inplace": 5}
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per :data:`KEY`: mean ``accuracy`` over ``n`` questions, the cell's wall
     time ``cell_s``, mean seconds per question, and ``store_ok`` (every question hit the
-    chunks it should, and every compacting question request was packed or loaded a hole).
-    Refused cells keep their ``error``."""
+    chunks it should, and every compacting question request was packed or loaded a hole);
+    for stored modes ``stored_vs_bf16`` (the store's bytes over the context's full KV in
+    bf16) and for packing modes ``gpu_held`` (the question request's blocks kept on the
+    GPU after its pack, over its prompt's full blocks). Refused cells keep their ``error``."""
     out = []
     for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
@@ -36,6 +38,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             summary["cell_s"] = members[0].get("cell_s")
         summary["seconds"] = statistics.fmean(m["seconds"] for m in scored) if scored else None
         summary["store_ok"] = all(_honest(m) for m in scored) if scored else None
+        stored = [
+            m["bytes_stored"] / m["bytes_full_bf16"] for m in scored if m.get("bytes_full_bf16")
+        ]
+        summary["stored_vs_bf16"] = statistics.fmean(stored) if stored else None
+        held = [
+            1 - m["blocks_released"] / m["prompt_blocks"]
+            for m in scored
+            if m.get("packs") and m.get("prompt_blocks")
+        ]
+        summary["gpu_held"] = statistics.fmean(held) if held else None
         if errors:
             summary["error"] = errors[0]
         out.append(summary)
@@ -59,11 +71,40 @@ def _honest(row: dict[str, Any]) -> bool:
         return True  # kvpress rows: no store, nothing to check
     if row.get("hit_chunks", 0) != row.get("expected_hit_chunks", 0):
         return False
-    if mode in ("load", "both", "inplace"):
+    if mode in ("default", "load", "both", "inplace"):
         return row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
     if mode == "save":
         return row.get("holes_adopted", 0) == 1
     return True
+
+
+def _memory_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> str | None:
+    """Bytes in the store over the full bf16 KV, and blocks held on the GPU after the
+    question's pack over its prompt's blocks, per (mode, policy) and budget."""
+    lines = []
+    for r in rows:
+        if r.get("stored_vs_bf16") is None and r.get("gpu_held") is None:
+            continue
+        lines.append((r["compact_on"], r["policy"], r["budget"], r))
+    if not lines:
+        return None
+    head = table_head(
+        "store bytes / full bf16 KV, and GPU blocks held / prompt blocks",
+        ["compact_on", "policy", *[f"b={b:g}" for b in budgets]],
+    )
+    pairs = sorted({(m, p) for m, p, _, _ in lines}, key=lambda q: (MODE_ORDER.get(q[0], 9), q[1]))
+    for mode, policy in pairs:
+        cells = {b: r for m, p, b, r in lines if (m, p) == (mode, policy)}
+        values = []
+        for b in budgets:
+            cell = cells.get(b)
+            values.append(
+                ""
+                if cell is None
+                else f"{fmt(cell.get('stored_vs_bf16'))} / {fmt(cell.get('gpu_held'))}"
+            )
+        head.append(f"| {mode} | {policy} | " + " | ".join(values) + " |")
+    return "\n".join(head)
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -126,6 +167,9 @@ def markdown(
                 + f" | {n} | {fmt(statistics.fmean(wall)) if wall else ''} |"
             )
         sections.append("\n".join(lines))
+        memory = _memory_table(rows, budgets)
+        if memory:
+            sections.append(memory)
     refused = [r for r in summary if r.get("error")]
     if refused:
         lines = ["### refused configurations", ""]

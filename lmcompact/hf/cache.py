@@ -74,8 +74,12 @@ class CompactingCache(Cache):
             ``window_size`` if it has one, else 32.
         decode_slack: Decode-time policies re-plan a layer once its longest head
             exceeds its post-prefill size by this many tokens (amortizes the cost;
-            0 re-plans every step).
+            0 re-plans every step); None: ``interval - 1`` for a policy with an
+            ``interval`` (every ``interval`` generated tokens), else 16.
         decode_compaction: Whether decode-time policies run during generation.
+        decode_budget: Tokens per (layer, head) that decode-time policies re-plan back to
+            (a decode budget, as vLLM's ``release.decode_budget_tokens``); None: each
+            layer's longest head after the prefill compaction.
         tokenizer: Needed by policies that read token classes (FastGen).
         **policy_params: Hyper-parameters for a policy given by name.
     """
@@ -87,8 +91,9 @@ class CompactingCache(Cache):
         *,
         budget: float | int | str | None = None,
         window_size: int | None = None,
-        decode_slack: int = 16,
+        decode_slack: int | None = None,
         decode_compaction: bool = True,
+        decode_budget: int | None = None,
         tokenizer: Any = None,
         auto_compact: bool = True,
         **policy_params: Any,
@@ -99,8 +104,6 @@ class CompactingCache(Cache):
                 f"the model uses {model.config._attn_implementation!r} attention; call "
                 "lmcompact.hf.enable_lmcompact_attention(model) first"
             )
-        if decode_slack < 0:
-            raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
         if isinstance(policy, str):
             if budget is not None:
                 policy_params["budget"] = budget
@@ -121,7 +124,15 @@ class CompactingCache(Cache):
         self.window_size = int(window_size or own_window or DEFAULT_WINDOW)
         if self.window_size <= 0:
             raise ValueError(f"window_size must be > 0, got {self.window_size}")
+        if decode_slack is None:
+            interval = getattr(policy, "interval", None)
+            decode_slack = 16 if interval is None else int(interval) - 1
+        if decode_slack < 0:
+            raise ValueError(f"decode_slack must be >= 0, got {decode_slack}")
         self.decode_slack = decode_slack
+        if decode_budget is not None and decode_budget < 1:
+            raise ValueError(f"decode_budget must be >= 1 token, got {decode_budget}")
+        self.decode_budget = decode_budget
         self.decode_compaction = decode_compaction and Phase.DECODE in policy.phases
         self.wants_decode_mass = self.decode_compaction and bool(
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
@@ -159,8 +170,14 @@ class CompactingCache(Cache):
             "decode_compactions": 0.0,
         }
         accumulate = Need.CUMULATIVE_SCORES in self.needs
+        # a window of the last decode queries, for policies that score by more than one
+        self.decode_window = self.window_size if self.wants_decode_mass else 0
+        if self.decode_window == 1 or Need.CUMULATIVE_SCORES in self.needs:
+            self.decode_window = 0  # the last step's key mass is that window
         layers: list[Any] = [
-            CompactingLayer(i, key_mass=self.wants_decode_mass, accumulate=accumulate)
+            CompactingLayer(
+                i, key_mass=self.wants_decode_mass, accumulate=accumulate, window=self.decode_window
+            )
             for i in range(self.num_layers)
         ]
         super().__init__(layers=layers)
@@ -410,7 +427,9 @@ class CompactingCache(Cache):
             layer.observations = None
         self.plans = plans
         everything = all(p.total_kept == p.total_slots for p in plans)
-        if self.decode_compaction and not everything:
+        if self.decode_compaction and self.decode_budget is not None:
+            self.decode_targets = [self.decode_budget] * len(layers)
+        elif self.decode_compaction and not everything:
             longest = torch.stack([p.kept_counts() for p in plans]).amax(dim=(0, 2))
             self.decode_targets = [int(n) for n in longest]
         if self._hook is not None:
@@ -434,7 +453,14 @@ class CompactingCache(Cache):
             assert layer.ragged is not None
             if int(layer.ragged.lengths().max()) > target + self.decode_slack:
                 layer.ragged = replan_layer(
-                    self.policy, self.needs, layer.ragged, layer.last_mass, target
+                    self.policy,
+                    self.needs,
+                    layer.ragged,
+                    layer.last_mass,
+                    target,
+                    recent_queries=layer.recent_queries,
+                    recent_positions=layer.recent_positions,
+                    scale=self.attention_scale,
                 )
                 replanned = True
             layer.last_mass = None

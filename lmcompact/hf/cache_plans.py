@@ -107,19 +107,37 @@ def replan_layer(
     ragged: RaggedLayer,
     mass: torch.Tensor | None,
     target: int,
+    *,
+    recent_queries: torch.Tensor | None = None,
+    recent_positions: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> RaggedLayer:
     """One layer re-planned during decode: every head of every sequence back to ``target``
-    tokens, scored from the last step's key ``mass`` (flat, as the ragged attention gives
-    it; a window of one query) and the accumulated scores."""
+    tokens, scored from the accumulated scores and either the last step's key ``mass``
+    (flat, as the ragged attention gives it; a window of one query) or, when given, the
+    attention of the ``recent_queries`` ``(B, Hq, W, D)`` at ``recent_positions`` ``(W,)``
+    over the kept keys (:func:`decode_window_attention`)."""
     keys, values, positions, valid = ragged.padded()
     padded_mass = None if mass is None else pad_flat(ragged, mass)
     padded_scores = None if ragged.scores is None else pad_flat(ragged, ragged.scores)
+    rows = None
+    if recent_queries is not None and recent_positions is not None:
+        rows = decode_window_attention(
+            recent_queries, recent_positions, keys, positions, valid, scale
+        )
     keep: list[torch.Tensor] = []
     for b in range(ragged.batch_size):
-        window = None if padded_mass is None else padded_mass[b]
+        attention: torch.Tensor | None
+        window: torch.Tensor | None
+        if rows is not None:
+            attention = rows[b]
+            window = attention.sum(dim=1)
+        else:
+            window = None if padded_mass is None else padded_mass[b]
+            attention = None if window is None else window[:, None, :]
         observed = LayerObservation(
             window_scores=window,
-            window_attention=None if window is None else window[:, None, :],
+            window_attention=attention,
             cumulative_scores=None if padded_scores is None else padded_scores[b],
         )
         inputs = compaction_inputs(
@@ -134,6 +152,40 @@ def replan_layer(
         plan = policy.plan(inputs)
         keep.extend(plan.kept[0])
     return ragged.gather(keep)
+
+
+def decode_window_attention(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention rows of the last decode queries over a padded ragged cache.
+
+    Args:
+        queries: ``(B, Hq, W, D)`` post-RoPE queries.
+        query_positions: ``(W,)`` their positions.
+        keys: ``(B, H, L, D)`` kept keys, padded.
+        key_positions: ``(B, H, L)`` their original positions.
+        valid: ``(B, H, L)`` bool, False for padding.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+
+    Returns:
+        ``(B, H, W, L)`` float32: each query's row over the keys it sees (kept, at or before
+        its position), averaged over the query heads of each kv group; 0 on padding.
+    """
+    b, hq, w, d = queries.shape
+    h = keys.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    q = queries.float().view(b, h, hq // h, w, d)
+    logits = torch.einsum("bhgwd,bhld->bhgwl", q, keys.float()) * scale
+    seen = valid[:, :, None, :] & (
+        key_positions[:, :, None, :] <= query_positions.to(keys.device)[None, None, :, None]
+    )  # (B, H, W, L)
+    logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)
 
 
 def tail_window(observations: list[LayerObservation], window: int) -> list[LayerObservation]:

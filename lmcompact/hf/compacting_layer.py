@@ -29,6 +29,8 @@ class CompactingLayer(CacheLayerMixin):
         key_mass: Decode attention also returns the mass each kept key got
             (:attr:`last_mass`; decode-time policies re-plan from it).
         accumulate: The key mass of every decode step adds to the ragged scores (H2O).
+        window: Decode queries kept (:attr:`recent_queries`) for policies that score the
+            cache by the attention of the last ``window`` generated tokens; 0 keeps none.
 
     Attributes:
         seen: Tokens this layer has seen (kept or not): the next token's position.
@@ -36,17 +38,24 @@ class CompactingLayer(CacheLayerMixin):
         observations: One per row: what the prefill forward observed for the policy
             (set by the cache; None before the prefill and after compaction).
         last_mass: ``(N,)`` ragged-ordered key mass of the last decode step, or None.
+        recent_queries: ``(B, Hq, <= window, D)`` post-RoPE queries of the last decode
+            steps, or None; their positions in :attr:`recent_positions` ``(<= window,)``.
     """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, layer_idx: int, *, key_mass: bool = False, accumulate: bool = False) -> None:
+    def __init__(
+        self, layer_idx: int, *, key_mass: bool = False, accumulate: bool = False, window: int = 0
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.key_mass = key_mass
         self.accumulate = accumulate
+        self.window = window
+        self.recent_queries: torch.Tensor | None = None
+        self.recent_positions: torch.Tensor | None = None
         self.seen = 0
         self.ragged: RaggedLayer | None = None
         self.observations: list[LayerObservation] | None = None
@@ -93,6 +102,7 @@ class CompactingLayer(CacheLayerMixin):
         self.ragged = None
         self.observations = None
         self.last_mass = None
+        self.recent_queries = self.recent_positions = None
         self.seen = 0
         self.is_initialized = False
 
@@ -133,7 +143,17 @@ class CompactingLayer(CacheLayerMixin):
             self.last_mass = mass
             if self.accumulate:
                 self.ragged.accumulate_scores(mass)
+        if self.window:
+            self._keep_queries(query, self.query_positions[0])
         return out.transpose(1, 2).contiguous()
+
+    def _keep_queries(self, query: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the last ``window`` decode queries ``(B, Hq, S, D)`` and their positions."""
+        if self.recent_queries is not None and self.recent_positions is not None:
+            query = torch.cat([self.recent_queries, query.detach()], dim=2)
+            positions = torch.cat([self.recent_positions, positions])
+        self.recent_queries = query.detach()[:, :, -self.window :]
+        self.recent_positions = positions[-self.window :]
 
     def nbytes(self) -> int:
         """Bytes this layer holds now (dense K/V before compaction, ragged after)."""

@@ -30,6 +30,8 @@ _BUILTIN: dict[str, str] = {
     "h2o": "lmcompact.policies.h2o:H2O",
     "tova": "lmcompact.policies.tova:TOVA",
     "snapkv": "lmcompact.policies.snapkv:SnapKV",
+    "decoding_snapkv": "lmcompact.policies.decoding_snapkv:DecodingSnapKV",
+    "rkv": "lmcompact.policies.rkv:RKV",
     "pyramidkv": "lmcompact.policies.pyramidkv:PyramidKV",
     "adakv": "lmcompact.policies.adakv:AdaKV",
     "knorm": "lmcompact.policies.knorm:KNorm",

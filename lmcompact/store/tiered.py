@@ -4,13 +4,14 @@ Puts write through every tier (the Redis one on a background thread, see
 :mod:`lmcompact.store.writer`); gets look tiers up in order and copy a hit into the tiers
 above it. ``lookup_prefix`` counts how many leading chunks some tier holds.
 
-Quantized stores (``StoreConfig.quantize``): the tiers that hold the codec's values (Redis)
-hold them quantized (:mod:`lmcompact.store.quant`), about half the bytes of bf16. The memory
-tiers keep holding chunks in the engine dtype (they serve views and copy packed buffers
-between host and device; dequantizing on every get would cost that), but they hold the
-DEQUANTIZED rows: a put quantizes once (:meth:`ChunkCodec.encode_served`), gives Redis the
-value and the memory tiers what that value decodes to, so a chunk reads the same from every
-tier, and a Redis hit promoted upward is that same chunk again.
+Quantized stores (``StoreConfig.quantize``): the tiers that hold the codec's values hold them
+quantized (:mod:`lmcompact.store.quant`), about half the bytes of bf16: Redis, and the CPU
+tier, which is then an :class:`EncodedCPUTier` (a host store's bytes are what users budget).
+The GPU tier keeps holding chunks in the engine dtype (it serves views on the device;
+dequantizing on every get would cost that), but it holds the DEQUANTIZED rows: a put
+quantizes once (:meth:`ChunkCodec.encode_served`), gives the value tiers the value and the
+GPU tier what that value decodes to, so a chunk reads the same from every tier, and a hit
+promoted upward is that same chunk again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import torch
+
 from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.codec import ChunkCodec, EncodedValue
 from lmcompact.store.eviction import EVICTION_POLICIES, make_eviction_policy
@@ -30,6 +33,7 @@ from lmcompact.store.keys import ChunkKey, StoreNamespace
 from lmcompact.store.quant import check_quantize
 from lmcompact.store.tiers.base import StorageTier
 from lmcompact.store.tiers.cpu_tier import CPUTier
+from lmcompact.store.tiers.encoded_cpu import EncodedCPUTier
 from lmcompact.store.tiers.gpu_tier import GPUTier
 from lmcompact.store.tiers.memory import MemoryTier
 from lmcompact.store.writer import AsyncWriter
@@ -172,8 +176,8 @@ class TieredStore:
             raise ValueError("a store needs at least one tier")
         if self.config.quantize is not None and not any(t.holds_encoded for t in self.tiers):
             logger.info(
-                "store quantize=%s without a Redis tier: the memory tiers hold dequantized "
-                "rows in the engine dtype (lossy, same bytes)",
+                "store quantize=%s without a CPU or Redis tier: the GPU tier holds "
+                "dequantized rows in the engine dtype (lossy, same bytes)",
                 self.config.quantize,
             )
         self._writers: dict[int, AsyncWriter] = {}
@@ -197,7 +201,9 @@ class TieredStore:
                     eviction=make_eviction_policy(cfg.eviction),
                 )
             )
-        if cfg.cpu_capacity_bytes is not None:
+        if cfg.cpu_capacity_bytes is not None and cfg.quantize is not None:
+            out.append(EncodedCPUTier(cfg.cpu_capacity_bytes, self.codec))
+        elif cfg.cpu_capacity_bytes is not None:
             out.append(
                 CPUTier(
                     cfg.cpu_capacity_bytes,
@@ -278,14 +284,23 @@ class TieredStore:
     def get(self, key: ChunkKey) -> CompactedChunk | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[CompactedChunk | None]:
-        """Chunks for ``keys`` (None where no tier has one); hits are promoted upward."""
+    def get_many(
+        self, keys: Sequence[ChunkKey], device: torch.device | str | None = None
+    ) -> list[CompactedChunk | None]:
+        """Chunks for ``keys`` (None where no tier has one); hits are promoted upward.
+        ``device``: where the reader wants them; a quantized host tier
+        (:class:`EncodedCPUTier`) dequantizes there, other tiers answer as they hold."""
         out: list[CompactedChunk | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not todo:
                 break
-            found = tier.get_many([keys[i] for i in todo])
+            wanted = [keys[i] for i in todo]
+            found = (
+                tier.get_many(wanted, device)
+                if isinstance(tier, EncodedCPUTier)
+                else tier.get_many(wanted)
+            )
             promote: list[tuple[ChunkKey, CompactedChunk]] = []
             still: list[int] = []
             for i, chunk in zip(todo, found, strict=True):

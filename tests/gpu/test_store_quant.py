@@ -39,3 +39,23 @@ def test_cuda_and_cpu_write_and_read_the_same_bytes(mode, dtype, shape) -> None:
     a, b = dequantize_payload(payload, *rows), dequantize_payload(on_device, *rows)
     assert b.device.type == "cuda"
     assert same(a.keys, b.keys) and same(a.values, b.values) and same(a.positions, b.positions)
+
+
+def test_the_quantized_cpu_tier_dequantizes_on_the_readers_device() -> None:
+    """A loading GPU worker asks the store for its device: the int8 value crosses as
+    bytes and is dequantized there, the same rows as a host decode."""
+    from lmcompact.store import StoreConfig, TieredStore, chunk_keys
+    from tests.unit.store.store_helpers import make_chunk, make_namespace
+
+    ns = make_namespace(policy_params={"budget": 0.5, "quantize": "int8"})
+    chunk = make_chunk(3, layers=4, heads=2, kept=96, dim=128, dtype=torch.bfloat16)
+    key = chunk_keys(list(range(256)), ns, 256)[0]
+    config = StoreConfig(cpu_capacity_bytes=1 << 26, quantize="int8", metrics_log_interval_s=None)
+    with TieredStore(ns, config) as store:
+        assert store.put(key, chunk)
+        host = store.get_many([key])[0]
+        on_gpu = store.get_many([key], torch.device("cuda"))[0]
+    assert host is not None and on_gpu is not None
+    assert host.keys.device.type == "cpu" and on_gpu.keys.device.type == "cuda"
+    assert same(host.keys, on_gpu.keys) and same(host.values, on_gpu.values)
+    assert torch.equal(host.positions, on_gpu.positions.cpu())

@@ -58,6 +58,9 @@ class EngineFacts:
     sliding_window: int | None = None
     tp_size: int = 1
     """Tensor-parallel ranks; ``num_kv_heads`` is what one rank holds."""
+    lookahead_tokens: int = 0
+    """Tokens a request may have scheduled beyond those processed: one under async
+    scheduling, plus speculative tokens."""
     kv_cache_dtype: str = "auto"
     """vLLM's ``kv_cache_dtype`` ("auto": the model dtype; "fp8*": fp8 bytes in uint8 pages)."""
 
@@ -112,8 +115,17 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         device_type=device_type,
         sliding_window=_config_sliding_window(model),
         tp_size=tp_size,
+        lookahead_tokens=_lookahead_tokens(vllm_config),
         kv_cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
     )
+
+
+def _lookahead_tokens(vllm_config: Any) -> int:
+    """Tokens vLLM schedules beyond a request's processed ones (see ``EngineFacts``)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    in_flight = 1 if getattr(scheduler, "async_scheduling", False) else 0
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return in_flight + int(getattr(speculative, "num_speculative_tokens", 0) or 0)
 
 
 def tp_rank() -> int:

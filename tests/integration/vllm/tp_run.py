@@ -131,7 +131,7 @@ def run_release(
     final = audit_pool(manager)
     planner = half.planner
     expected = {
-        rid: half._hole_blocks(len(ids))  # what the planner promises per prompt
+        rid: planner.fresh_hole(len(ids))[1]  # what the planner promises per prompt
         for rid, ids in prompts.items()
     }
     result = {

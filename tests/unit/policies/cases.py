@@ -112,6 +112,10 @@ POLICY_CASES: list[PolicyCase] = [
     PolicyCase("tova", "tova"),
     PolicyCase("snapkv", "snapkv", {"window_size": 4, "kernel_size": 3}),
     PolicyCase(
+        "decoding-snapkv", "decoding_snapkv", {"window_size": 4, "kernel_size": 3, "interval": 8}
+    ),
+    PolicyCase("rkv", "rkv", {"window_size": 4, "kernel_size": 3}),
+    PolicyCase(
         "snapkv-avgpool", "snapkv", {"window_size": 4, "kernel_size": 5, "pooling": "avgpool"}
     ),
     PolicyCase(

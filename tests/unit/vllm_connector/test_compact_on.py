@@ -13,7 +13,7 @@ FACTS = fakes.facts(model_id="m", num_kv_heads=2, head_dim=16)
 
 def test_compact_on_is_validated() -> None:
     with pytest.raises(
-        ValueError, match=r"store\.compact_on must be one of \['save', 'load', 'both'\]"
+        ValueError, match=r"store\.compact_on must be one of \['auto', 'save', 'load', 'both'\]"
     ):
         ConnectorConfig.from_extra({"policy": "snapkv", "store": {"compact_on": "later"}})
 

@@ -30,7 +30,10 @@ def test_groups_are_parsed_into_one_config() -> None:
             "release": {"decode_budget_tokens": 256},
         }
     )
-    assert config.store == StoreOptions(chunk_size=512, save=False)
+    # a named policy runs on the save path, exact bytes (compact_on and quantize "auto")
+    assert config.store == StoreOptions(
+        chunk_size=512, save=False, compact_on="save", quantize=None
+    )
     assert config.release is not None and config.release.decode_budget_tokens == 256
     assert config.release_mode is PrefillMode.PACK
     assert ConnectorConfig.from_extra({"policy": "none"}).release is None  # off unless given
@@ -41,7 +44,8 @@ def test_groups_are_parsed_into_one_config() -> None:
 
 def test_store_group_and_store_off() -> None:
     grouped = ConnectorConfig.from_extra({"store": {"chunk_size": 512, "tiers": ["cpu"]}})
-    assert grouped.store == StoreOptions(chunk_size=512) and grouped.store.chunk_size == 512
+    # policy "auto": the two-stage path, int8 in the store
+    assert grouped.store == StoreOptions(chunk_size=512, compact_on="both", quantize="int8")
     off = ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25, "store": False})
     assert not off.store.enabled and off.store.chunk_size == 256
     with pytest.raises(ValueError, match=r"store\.chunk_size must be a positive int"):
@@ -225,10 +229,13 @@ def test_unknown_option_lists_every_allowed_key() -> None:
 def test_store_quantize_option_config_and_namespace() -> None:
     """``store.quantize`` is validated, reaches the store config, and gives the store its
     own namespace (whole and compacted chunks alike), leaving unquantized ones unchanged."""
-    assert StoreOptions().quantize is None and StoreOptions().store_config().quantize is None
+    assert StoreOptions().quantize == "auto" and StoreOptions().store_config().quantize is None
+    assert ConnectorConfig.from_extra({"policy": "none"}).store.quantize is None
+    assert ConnectorConfig.from_extra({"budget": 0.25}).store.quantize == "int8"
     int8 = ConnectorConfig.from_extra({"store": {"quantize": "int8", "tiers": ["cpu"]}})
     assert int8.store.quantize == "int8" and int8.store.store_config().quantize == "int8"
-    with pytest.raises(ValueError, match=r"store\.quantize must be one of \['int8', 'fp8'\]"):
+    allowed = r"store\.quantize must be one of \['auto', 'int8', 'fp8'\]"
+    with pytest.raises(ValueError, match=allowed):
         ConnectorConfig.from_extra({"store": {"quantize": "int4"}})
     with pytest.raises(ValueError, match=r"store\.quantize must be one of"):
         ConnectorConfig.from_extra({"store": {"quantize": True}})

@@ -28,6 +28,17 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         },
         "decode_policy 'h2o'",
     ),
+    "window-scored decode": (
+        {
+            **IN_PLACE,
+            "release": {
+                "prefill": "pack",
+                "decode_budget_tokens": 256,
+                "decode_policy": "decoding_snapkv",
+            },
+        },
+        "decode_policy 'decoding_snapkv'",
+    ),
     "store quantization": (
         {"policy": "none", "store": {"chunk_size": 64, "quantize": "int8"}},
         "store.quantize 'int8'",

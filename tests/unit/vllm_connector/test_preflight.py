@@ -28,7 +28,11 @@ def _transfer(connector: str, extra: dict[str, object]) -> str:
         ("LMCompactConnector", {"budget": 2.0}, "budget"),
         ("LMCompactConnector", {"tiers": ["disk"]}, "store options"),
         ("LMCompactConnector", {"bogus": 1}, "bogus"),
-        ("LMCompactConnector", {"release": {"prefill": "pack"}}, "compacting policy"),
+        (
+            "LMCompactConnector",
+            {"policy": "none", "release": {"prefill": "pack"}},
+            "compacting policy",
+        ),
         ("LMCompactConnector", {"store": {"tiers": ["disk"]}}, "store.tiers"),
         ("LMCompactConnector", {"release": {"prefill": "sideways"}}, "release.prefill"),
         ("LMCompactConnector", {"policy": "snapkv", "memory": {"prefill": "pack"}}, "memory"),

@@ -15,20 +15,49 @@ BOTH = {
 }
 
 
-def test_defaults_store_half_with_a_query_agnostic_policy() -> None:
+def test_defaults_store_a_query_agnostic_selection_in_about_the_budgets_bytes() -> None:
     config = ConnectorConfig.from_extra(BOTH)
     assert config.two_stage and config.store_compacts
     assert config.store_policy_name == "self_info"
-    assert config.store_budget == 0.5
-    assert config.kept_per_chunk(32) == 128  # stored chunks keep the store budget
+    assert config.store.quantize == "int8"
+    assert config.store_budget == pytest.approx(0.45)  # 1.8 x budget
+    # whole blocks, rounded down, at least one block above the final budget's
+    assert config.kept_per_chunk(16) == 112  # 7 of 16 blocks
+    assert config.kept_per_chunk(32) == 96  # 3 of 8 (0.45 x 8 = 3.6)
+    assert config.kept_per_chunk(64) == 128  # 2 of 4: the final budget keeps 1
     assert config.store_policy_object.name == "self_info"
     assert config.policy_object.name == "snapkv"  # the load's pack
-    assert config.namespace_params()["budget"] == 0.5
+    assert config.namespace_params() == {"budget": pytest.approx(0.45), "quantize": "int8"}
+    loose = ConnectorConfig.from_extra({**BOTH, "budget": 0.75})
+    assert loose.store_budget == 1.0 and loose.kept_per_chunk(32) == 256  # all, quantized
+
+
+def test_the_recommended_path_is_the_default() -> None:
+    """Nothing but a budget: a self_info selection stored int8, packed by the loading
+    request with snapkv; a named policy stays on the save path; release off or a budget
+    of 1 leave the save path."""
+    default = ConnectorConfig.from_extra({"budget": 0.25})
+    assert (default.policy, default.store.compact_on, default.store_policy_name) == (
+        "snapkv",
+        "both",
+        "self_info",
+    )
+    assert default.release is not None and default.namespace_params() == (
+        ConnectorConfig.from_extra(BOTH).namespace_params()
+    )
+    named = ConnectorConfig.from_extra({"policy": "snapkv", "budget": 0.25})
+    assert named.store.compact_on == "save" and named.store.quantize is None
+    off = ConnectorConfig.from_extra({"budget": 0.25, "release": False})
+    assert (off.policy, off.store.compact_on, off.store.quantize) == ("self_info", "save", None)
+    whole = ConnectorConfig.from_extra({"budget": 1.0})
+    assert whole.store.compact_on == "save" and not whole.compacts
 
 
 def test_the_store_selection_has_its_own_namespace() -> None:
     both = ConnectorConfig.from_extra(BOTH)
-    save = ConnectorConfig.from_extra({"policy": "self_info", "budget": 0.5})
+    save = ConnectorConfig.from_extra(
+        {"policy": "self_info", "budget": 0.45, "store": {"quantize": "int8"}}
+    )
     other = ConnectorConfig.from_extra(
         {**BOTH, "store": {"compact_on": "both", "policy": "knorm", "budget": 0.75}}
     )
@@ -40,7 +69,10 @@ def test_the_store_selection_has_its_own_namespace() -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({**BOTH, "budget": 0.5}, "must be above budget"),
+        (
+            {**BOTH, "budget": 0.5, "store": {"compact_on": "both", "budget": 0.5}},
+            "must be above budget",
+        ),
         ({**BOTH, "release": False}, '"release" group'),
         (
             {

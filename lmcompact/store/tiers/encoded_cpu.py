@@ -1,0 +1,155 @@
+"""Quantized CPU tier: a quantizing store's host memory holds the codec's values.
+
+A memory tier (:mod:`lmcompact.store.tiers.memory`) holds chunks in the engine dtype, so a
+quantizing store (``StoreConfig.quantize``) would save bytes only in Redis. This tier holds
+the codec's value itself (int8 or fp8 rows with float16 scales, about half of bf16), so the
+host memory a stored prefix takes is what the quantization promises; a get decodes the
+value (checksum, namespace and format checks, then dequantization into a fresh chunk, on
+the device the caller names: a loading GPU worker gets the int8 bytes dequantized on its
+GPU, not a host pass over every row).
+
+Values are immutable ``bytes``; eviction is least recently used, entries being loaded are
+pinned (:meth:`pin`), and a value the codec refuses is dropped and counted as ``rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from lmcompact.store.chunk import CompactedChunk
+from lmcompact.store.codec import ChunkCodec, CorruptEntryError, EncodedValue
+from lmcompact.store.eviction import PinTable
+from lmcompact.store.keys import ChunkKey
+from lmcompact.store.tiers.base import StorageTier
+
+logger = logging.getLogger(__name__)
+
+
+class EncodedCPUTier(StorageTier):
+    """Host-memory tier of encoded (quantized) values.
+
+    Args:
+        capacity_bytes: most value bytes held.
+        codec: the store's codec (its namespace and quantization).
+    """
+
+    name = "cpu"
+    holds_encoded = True
+
+    def __init__(self, capacity_bytes: int, codec: ChunkCodec) -> None:
+        super().__init__()
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self.codec = codec
+        self._capacity = capacity_bytes
+        self._values: OrderedDict[ChunkKey, bytes] = OrderedDict()  # oldest use first
+        self._pins = PinTable()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: ChunkKey) -> CompactedChunk | None:
+        return self.get_many([key])[0]
+
+    def put(self, key: ChunkKey, chunk: CompactedChunk) -> bool:
+        return self.put_many([(key, chunk)])[0]
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._values
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._drop(key)
+
+    def get_many(
+        self, keys: Sequence[ChunkKey], device: torch.device | str | None = None
+    ) -> list[CompactedChunk | None]:
+        """Decoded chunks (None where missing or refused), dequantized on ``device`` (None:
+        on the host)."""
+        with self._lock:
+            found = []
+            for key in keys:
+                value = self._values.get(key)
+                if value is not None:
+                    self._values.move_to_end(key)
+                found.append(value)
+        out: list[CompactedChunk | None] = []
+        hits = nbytes = rejected = 0
+        for key, value in zip(keys, found, strict=True):
+            chunk = None
+            if value is not None:
+                try:
+                    chunk = self.codec.decode(value, device)
+                except CorruptEntryError as exc:
+                    logger.warning("cpu tier refused %r: %s", key, exc)
+                    rejected += 1
+                    self.delete(key)
+            out.append(chunk)
+            if chunk is not None:
+                hits += 1
+                nbytes += len(value or b"")
+        self.stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, rejected=rejected)
+        return out
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, CompactedChunk | EncodedValue]]
+    ) -> list[bool]:
+        """Store chunks (encoded here) or values the store's codec encoded already."""
+        out = []
+        for key, item in items:
+            value = item if isinstance(item, EncodedValue) else self.codec.encode(item)
+            out.append(self._put_value(key, value.tobytes()))
+        return out
+
+    def _put_value(self, key: ChunkKey, data: bytes) -> bool:
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return True
+            if len(data) > self._capacity:
+                self.stats.add(put_failures=1)
+                return False
+            while self._used + len(data) > self._capacity:
+                victim = next((k for k in self._values if not self._pins.is_pinned(k)), None)
+                if victim is None:  # everything left is being loaded
+                    self.stats.add(put_failures=1)
+                    return False
+                self._drop(victim)
+                self.stats.add(evictions=1)
+            self._values[key] = data
+            self._used += len(data)
+        self.stats.add(puts=1, bytes_in=len(data))
+        return True
+
+    def _drop(self, key: ChunkKey) -> bool:
+        data = self._values.pop(key, None)
+        if data is None:
+            return False
+        self._used -= len(data)
+        return True
+
+    def pin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key not in self._values:
+                return False
+            self._pins.pin(key)
+            return True
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._pins.unpin(key)
