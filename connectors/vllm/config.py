@@ -308,7 +308,8 @@ class StoreOptions:
         chunk_size: tokens per stored chunk; a multiple of the engine's block size.
         tiers: store tiers, fastest first, from ``("cpu", "redis")`` (a comma list works).
         cpu_capacity_mb: CPU tier size in MiB.
-        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier.
+        redis_url: ``redis://host:port/db`` when ``"redis"`` is a tier, or a cluster's seed
+            nodes, ``redis+cluster://host:port[,host:port...]`` (chunks spread over its slots).
         redis_ttl_s: lifetime of Redis entries; None keeps them until Redis evicts.
         save: store compacted prefixes of finished prefills.
         load: serve stored prefixes to new requests.
@@ -375,7 +376,9 @@ class StoreOptions:
     )
     tiers: tuple[str, ...] = option(("cpu",), names(TIERS))
     cpu_capacity_mb: int = option(1024, integer(1))
-    redis_url: str | None = option(None, text(nullable=True, allowed="a redis:// URL"))
+    redis_url: str | None = option(
+        None, text(nullable=True, allowed="a redis:// or redis+cluster://host:port,... URL")
+    )
     redis_ttl_s: float | None = option(None, number(above=0, nullable=True, allowed="seconds > 0"))
     save: bool = option(True, boolean())
     load: bool = option(True, boolean())
@@ -746,6 +749,23 @@ def resolve_auto(
     if (on, quantize) == (store.compact_on, store.quantize):
         return policy, store
     return policy, dataclasses.replace(store, compact_on=on, quantize=quantize)
+
+
+def without_two_stages(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``extra`` with the save path in place of ``"both"`` when ``"both"`` is only the
+    default (``policy`` and ``store.compact_on`` left to ``"auto"``), else None: for
+    engines the two-stage path cannot run exactly on (sliding-window layers), where the
+    default then stores a ``self_info`` selection compacted on save, int8 like the
+    two-stage default's (unless ``store.quantize`` is named)."""
+    top = dict(extra or {})
+    group = top.get(STORE_KEY)
+    store = dict(group) if isinstance(group, Mapping) else {}
+    if top.get("policy", AUTO) != AUTO or store.get("compact_on", AUTO) != AUTO:
+        return None
+    if group is False or RELEASE_KEY in top:
+        return None  # no store, or a release group the user asked for: leave it to them
+    top[STORE_KEY] = {"quantize": "int8", **store, "compact_on": "save"}
+    return top
 
 
 def _store_group(top: dict[str, Any]) -> StoreOptions:

@@ -2,22 +2,44 @@
 
 Supported: in-place packs (``release``), stored prefixes saved and loaded (whole or
 compacted, any policy of one count per (layer, head)), two-stage loads, models with
-sliding-window layers. Their bytes move
-untouched and scores read the numbers the bytes decode to
-(:mod:`lmcompact.compaction.kv_quant`).
+sliding-window layers. Their bytes move untouched and scores read the numbers the bytes
+decode to (:mod:`lmcompact.compaction.kv_quant`). ``store.quantize`` "auto" becomes none:
+the rows are fp8 already.
 
 Refused at start-up, each naming the combination: paths that compute attention or scores
 inside attention layers from cached K/V (per-head counts, decode policies other than
-"recent": H2O, window-scored ones), the store's own
-quantization (the rows are fp8 already), and a store with KV scales other than 1.0 (stored
-bytes carry no scales, so an engine with other scales would read other numbers).
+"recent": H2O, window-scored ones), a named ``store.quantize``, and a store with KV scales
+other than 1.0 (stored bytes carry no scales, so an engine with other scales would read
+other numbers).
 """
 
 from __future__ import annotations
 
-from connectors.vllm.config import ConnectorConfig
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from connectors.vllm.config import AUTO, STORE_KEY, ConnectorConfig
 from connectors.vllm.patches import engine
 from lmcompact.compaction.kv_quant import Fp8Pages
+
+logger = logging.getLogger(__name__)
+
+
+def fp8_store_defaults(extra: Mapping[str, Any], facts: engine.EngineFacts) -> dict[str, Any]:
+    """``extra`` with ``store.quantize`` "auto" made null on an fp8 cache: the stored rows
+    are the cache's fp8 bytes already (half of bf16, as int8 rows are), so the default
+    quantization is skipped; a named ``store.quantize`` stays and is refused."""
+    top = dict(extra)
+    group = top.get(STORE_KEY)
+    if not facts.fp8 or group is False:
+        return top
+    store = dict(group) if isinstance(group, Mapping) else {}
+    if store.get("quantize", AUTO) != AUTO:
+        return top
+    logger.info("fp8 KV cache: stored chunks keep its fp8 bytes (store.quantize auto: none)")
+    top[STORE_KEY] = {**store, "quantize": None}
+    return top
 
 
 def refuse_fp8_combinations(config: ConnectorConfig, facts: engine.EngineFacts) -> None:

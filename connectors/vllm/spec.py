@@ -17,8 +17,14 @@ from typing import Any
 
 import torch
 
-from connectors.vllm.config import BUDGET_TOLERANCE, ConnectorConfig, kept_blocks
-from connectors.vllm.kv_dtype import refuse_fp8_combinations
+from connectors.vllm.config import (
+    BUDGET_TOLERANCE,
+    DEFAULT_STORE_POLICY,
+    ConnectorConfig,
+    kept_blocks,
+    without_two_stages,
+)
+from connectors.vllm.kv_dtype import fp8_store_defaults, refuse_fp8_combinations
 from connectors.vllm.patches import engine
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
 from lmcompact.compaction.policy_inputs import probe_inputs
@@ -63,14 +69,23 @@ class ConnectorSpec:
     @classmethod
     def build(cls, vllm_config: Any) -> ConnectorSpec:
         """The spec of ``vllm_config`` (built and checked once per process and config)."""
-        extra = engine.transfer_extra_config(vllm_config)
         facts = engine.engine_facts(vllm_config)
+        extra = fp8_store_defaults(engine.transfer_extra_config(vllm_config), facts)
         max_len = int(vllm_config.model_config.max_model_len)
         key = (json.dumps(extra, sort_keys=True, default=str), facts, max_len)
         with _LOCK:
             spec = _SPECS.get(key)
             if spec is None:
-                spec = cls.from_parts(ConnectorConfig.from_extra(extra), facts, max_len)
+                config = ConnectorConfig.from_extra(extra)
+                fallback = without_two_stages(extra) if facts.sliding_window else None
+                if config.two_stage and fallback is not None:
+                    logger.info(
+                        "sliding-window layers: two-stage loads cannot be exact here, so the "
+                        "default stored-prefix path stores a %s selection compacted on save",
+                        DEFAULT_STORE_POLICY,
+                    )
+                    config = ConnectorConfig.from_extra(fallback)
+                spec = cls.from_parts(config, facts, max_len)
                 _SPECS[key] = spec
         return spec
 

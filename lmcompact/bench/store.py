@@ -23,7 +23,10 @@ every round's times (``times_s``).
   against one copy of the same payload bytes;
 * ``redis_vs_raw``: the tier's ``put_many`` + ``get_many`` of a batch (encode and decode
   included) against redis-py's own pipelined SET + GET of byte values of the encoded
-  values' lengths, on the same server and connection pool settings.
+  values' lengths, on the same server and connection pool settings. On a cluster
+  (``--redis-cluster N`` or a ``redis+cluster://`` URL) the baseline is redis-py's
+  ``RedisCluster`` pipeline, and each raw key carries its tier key as hash tag, so both
+  sides put the same bytes on the same nodes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 
 import torch
 
+from lmcompact.bench.scratch_cluster import scratch_redis_cluster
 from lmcompact.bench.store_cases import BudgetCase
 from lmcompact.bench.store_cuda import STEPS as CUDA_STEPS
 from lmcompact.results import format_table, write_json
@@ -70,7 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(SUPPORTED_DTYPES))
     parser.add_argument(
-        "--redis-url", default=None, help="Redis to use; default: start a private redis-server"
+        "--redis-url",
+        default=None,
+        help="Redis to use (redis://, or redis+cluster://host:port,... for a cluster); "
+        "default: start a private redis-server",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a private Redis Cluster of N (>= 3) primaries on loopback and measure "
+        "the tier on it, against redis-py's RedisCluster pipeline",
     )
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis measurements")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
@@ -199,6 +214,12 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
+def _redact_url(url: str) -> str:
+    """``url`` without its password (the JSON records which Redis was measured)."""
+    head, at, hosts = url.rpartition("@")
+    return f"{head.split('://')[0]}://***@{hosts}" if at else url
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -209,14 +230,22 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    if args.redis_cluster and (args.redis_cluster < 3 or args.redis_url is not None):
+        raise SystemExit(
+            f"--redis-cluster takes N >= 3 and no --redis-url, got {args.redis_cluster}"
+        )
     if args.iters < 1 or args.repeats < 1:
         raise SystemExit(f"--iters and --repeats must be >= 1, got {args.iters}, {args.repeats}")
     scratch = contextlib.ExitStack()  # the private redis-server, when one is started
     redis_url = args.redis_url
     if redis_url is None and not args.no_redis:
         try:
-            redis_url = scratch.enter_context(scratch_redis_server())
-        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            redis_url = scratch.enter_context(
+                scratch_redis_cluster(args.redis_cluster)
+                if args.redis_cluster
+                else scratch_redis_server()
+            )
+        except (FileNotFoundError, RuntimeError, TimeoutError, OSError) as exc:
             logger.warning("no Redis measurements: %s", exc)
     cases: list[BudgetCase] = []
     try:
@@ -247,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "gpu_vs_memcpy": full["gpu_vs_memcpy"],
         "codec_vs_memcpy": full["codec_vs_memcpy"],
         "redis_vs_raw": full.get("redis_vs_raw"),
+        "redis": None if redis_url is None else _redact_url(redis_url),
         "targets": TARGETS,
         "min_over_budgets": {
             k: min(r[k] for r in rows if k in r)

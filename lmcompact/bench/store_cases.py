@@ -210,13 +210,26 @@ class _RedisCase:
         self, url: str, codec: ChunkCodec, keys: Sequence[Any], chunks: Sequence[CompactedChunk]
     ) -> None:
         import redis
+        from redis.cluster import ClusterNode, RedisCluster
 
         from lmcompact.store.tiers.redis_tier import RedisTier
+        from lmcompact.store.tiers.redis_url import is_cluster_url, parse_cluster_url
 
-        self.client = redis.Redis.from_url(url)
-        self.raw_keys = [f"lmc-bench-raw:{i}".encode() for i in range(len(chunks))]
-        self.raw_values = [bytes(len(codec.encode(c))) for c in chunks]
         self.tier = RedisTier(url, codec)
+        self.client: redis.Redis | RedisCluster
+        if is_cluster_url(url):
+            address = parse_cluster_url(url)
+            self.client = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in address.seeds],
+                username=address.username,
+                password=address.password,
+                ssl=address.tls,
+            )
+        else:
+            self.client = redis.Redis.from_url(url)
+        # the tier key as hash tag: on a cluster each raw value lives where its chunk does
+        self.raw_keys = [b"lmc-bench-raw:{" + self.tier.redis_key(k) + b"}" for k in keys]
+        self.raw_values = [bytes(len(codec.encode(c))) for c in chunks]
         self.keys = list(keys)
         self.items = list(zip(keys, chunks, strict=True))
 

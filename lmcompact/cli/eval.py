@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "connector's, self_info)",
     )
     parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="--engine vllm: skip the full-cache cell (its rows come from another run "
+        "with the same --seed, --samples, --depths and haystack: the cases are the same)",
+    )
+    parser.add_argument(
         "--per-head-slack",
         type=float,
         default=None,
@@ -216,6 +222,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             store_budget=args.store_budget,
             client_scores=args.client_scores,
             store_policy=args.store_policy,
+            baseline=not args.no_baseline,
             text="licenses" if args.haystack == "licenses" else "pydoc",
         )
     except ValueError as error:

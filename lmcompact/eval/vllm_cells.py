@@ -56,6 +56,8 @@ class VllmEvalConfig:
             whose budget is not below it are skipped.
         store_policy: in ``both`` mode, the store's policy (``store.policy``); None: the
             connector's default.
+        baseline: run the full-cache cell (False: its rows come from another run of the
+            same cases).
         client_scores: store ``self_info`` contexts with scores the client computes and
             sends (``store.token_scores`` "client", a ``prompt_logprobs`` request first);
             False: the engine scores them during the storing request's own prefill.
@@ -80,6 +82,7 @@ class VllmEvalConfig:
     store_budget: float = 0.5
     store_policy: str | None = None
     client_scores: bool = False
+    baseline: bool = True
 
     def __post_init__(self) -> None:
         if self.text not in ("pydoc", "licenses"):
@@ -233,7 +236,8 @@ def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: s
 
 def cells(config: VllmEvalConfig) -> Iterator[tuple[str, str, float]]:
     """``(mode, policy, budget)`` of every compacted cell, baseline first."""
-    yield BASELINE, BASELINE, 1.0
+    if config.baseline:
+        yield BASELINE, BASELINE, 1.0
     for mode in config.modes:
         if mode == DEFAULT_MODE:
             yield from ((mode, "auto", budget) for budget in config.budgets)

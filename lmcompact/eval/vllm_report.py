@@ -71,7 +71,10 @@ def _honest(row: dict[str, Any]) -> bool:
         return True  # kvpress rows: no store, nothing to check
     if row.get("hit_chunks", 0) != row.get("expected_hit_chunks", 0):
         return False
-    if mode in ("default", "load", "both", "inplace"):
+    if mode == "default":  # packed at load, or (sliding-window models) stored compacted
+        packed = row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
+        return packed or row.get("holes_adopted", 0) == 1
+    if mode in ("load", "both", "inplace"):
         return row.get("packs", 0) == 1 and row.get("blocks_released", 0) > 0
     if mode == "save":
         return row.get("holes_adopted", 0) == 1

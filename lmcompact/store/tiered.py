@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
@@ -36,6 +35,7 @@ from lmcompact.store.tiers.cpu_tier import CPUTier
 from lmcompact.store.tiers.encoded_cpu import EncodedCPUTier
 from lmcompact.store.tiers.gpu_tier import GPUTier
 from lmcompact.store.tiers.memory import MemoryTier
+from lmcompact.store.tiers.redis_url import check_redis_url
 from lmcompact.store.writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,10 @@ class StoreConfig:
         cpu_capacity_bytes: CPU tier size; None means no CPU tier.
         cpu_pin_memory: page-locked CPU buffers; None means "when CUDA is available".
         eviction: eviction policy of the memory tiers (``"lru"``, ``"fifo"``, ``"mod:Class"``).
-        redis_url: ``redis://`` / ``rediss://`` URL; None means no Redis tier.
+        redis_url: ``redis://`` / ``rediss://`` URL of one server, or
+            ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``) seed nodes
+            of a Redis / Valkey cluster (chunks spread over its slots); None means no
+            Redis tier.
         redis_key_prefix: prefix of Redis keys.
         redis_ttl_s: Redis entry lifetime; None keeps entries until Redis evicts them.
         redis_socket_timeout_s: Redis socket timeout.
@@ -91,11 +94,8 @@ class StoreConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in (
-            "redis",
-            "rediss",
-        ):
-            raise ValueError(f"redis_url must use redis:// or rediss://, got {self.redis_url!r}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
         if self.eviction not in EVICTION_POLICIES and ":" not in self.eviction:
             raise ValueError(
                 f"eviction must be one of {sorted(EVICTION_POLICIES)} or 'module:Class', "

@@ -48,6 +48,11 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def running(self) -> bool:
+        """Whether the server process is alive (started, not killed or stopped)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 

@@ -24,8 +24,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from redis.connection import Connection
 
 Buffer = bytes | bytearray | memoryview
+
+Command = tuple[bytes, Sequence[Buffer]]
+"""A command as its key (which routes it on a cluster) and its packed RESP buffers."""
 
 COALESCE_BYTES = 16 << 10
 """Buffers shorter than this are joined with their neighbours before writing."""
@@ -66,6 +70,40 @@ def coalesce(buffers: Sequence[Buffer], cutoff: int = COALESCE_BYTES) -> list[Bu
     return out
 
 
+def pack_command(*args: bytes) -> bytes:
+    """The RESP frame of a command of small arguments (``GET key``, ``EXISTS key``, ...)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+def send_packed(conn: Connection, packed: Sequence[Buffer]) -> None:
+    """Write a batch of packed commands on ``conn`` (small buffers coalesced)."""
+    conn.send_packed_command(coalesce(packed))
+
+
+def read_replies(conn: Connection, num_replies: int) -> list[Any]:
+    """Read ``num_replies`` replies from ``conn``; an error reply comes back as its
+    :class:`redis.exceptions.ResponseError` instance (the replies after it are still read)."""
+    replies: list[Any] = []
+    for _ in range(num_replies):
+        try:
+            replies.append(conn.read_response())
+        except redis.exceptions.ResponseError as exc:
+            replies.append(exc)
+    return replies
+
+
+def take_connection(client: redis.Redis) -> Connection:
+    """A connection from ``client``'s pool (give it back with ``pool.release``)."""
+    pool = client.connection_pool
+    try:
+        return pool.get_connection()  # type: ignore[no-any-return]
+    except TypeError:  # redis-py < 5.1 wants a command name
+        return pool.get_connection("SET")  # type: ignore[no-any-return]
+
+
 def execute_packed(client: redis.Redis, packed: Sequence[Buffer], num_replies: int) -> list[Any]:
     """Send ``packed`` (``num_replies`` commands) on one connection; read every reply.
 
@@ -77,22 +115,12 @@ def execute_packed(client: redis.Redis, packed: Sequence[Buffer], num_replies: i
         redis.exceptions.ConnectionError, TimeoutError: the connection failed; it is
             closed, so no half-read reply is left on it for the next user.
     """
-    pool = client.connection_pool
+    conn = take_connection(client)
     try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py < 5.1 wants a command name
-        conn = pool.get_connection("SET")
-    try:
-        conn.send_packed_command(coalesce(packed))
-        replies: list[Any] = []
-        for _ in range(num_replies):
-            try:
-                replies.append(conn.read_response())
-            except redis.exceptions.ResponseError as exc:
-                replies.append(exc)
-        return replies
+        send_packed(conn, packed)
+        return read_replies(conn, num_replies)
     except BaseException:
         conn.disconnect()
         raise
     finally:
-        pool.release(conn)
+        client.connection_pool.release(conn)

@@ -91,3 +91,20 @@ def test_fp8_store_refuses_scales_it_cannot_carry() -> None:
         refuse_fp8_scales(store, Fp8Pages.of("fp8", [0.5, 1.0], [1.0, 1.0]), False)
     in_place = ConnectorConfig.from_extra(IN_PLACE)  # no stored bytes: any scales
     refuse_fp8_scales(in_place, Fp8Pages.of("fp8", [0.5], [2.0]), calculated_scales=True)
+
+
+def test_default_store_quantization_is_skipped_on_fp8() -> None:
+    """The default stored-prefix path quantizes rows to int8 ("auto"); on an fp8 cache the
+    rows are fp8 already, so "auto" becomes none there and a named quantize is refused."""
+    from connectors.vllm.kv_dtype import fp8_store_defaults
+    from tests.unit.vllm_connector.fakes import facts
+
+    extra = {"budget": 0.5}  # policy, compact_on and quantize "auto": two-stage, int8
+    assert ConnectorConfig.from_extra(extra).store.quantize == "int8"
+    on_fp8 = fp8_store_defaults(extra, facts(kv_cache_dtype="fp8"))
+    assert ConnectorConfig.from_extra(on_fp8).store.quantize is None
+    spec(on_fp8, kv_cache_dtype="fp8")
+    assert fp8_store_defaults(extra, facts()) == extra  # other caches: unchanged
+    named = {"budget": 0.5, "store": {"quantize": "int8"}}
+    assert fp8_store_defaults(named, facts(kv_cache_dtype="fp8")) == named
+    assert fp8_store_defaults({"store": False}, facts(kv_cache_dtype="fp8")) == {"store": False}
