@@ -28,11 +28,13 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from connectors.vllm import stats
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import LMCompactMetadata, LMCompactWorkerMetadata, worker_metadata
 from connectors.vllm.patches import engine
 from connectors.vllm.scheduler import Scheduler
 from connectors.vllm.spec import ConnectorSpec
+from connectors.vllm.stats import LMCompactPromMetrics, LMCompactStats
 from connectors.vllm.worker import Worker
 from lmcompact.store import TieredStore
 from lmcompact.store.registry import STORES
@@ -61,6 +63,7 @@ class LMCompactConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.store = self._stores[0]
         self.scheduler: Scheduler | None = None
         self.worker: Worker | None = None
+        self._counter_deltas = stats.CounterDeltas()
         if self.spec.config.store.load and not engine.recomputes_failed_loads(vllm_config):
             logger.warning(
                 "kv_load_failure_policy is 'fail': a stored chunk that is missing or damaged "
@@ -147,6 +150,29 @@ class LMCompactConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_worker_meta(self) -> LMCompactWorkerMetadata | None:
         report = self._worker().take_report()
         return None if report is None else LMCompactWorkerMetadata(report)
+
+    def get_kv_connector_stats(self) -> LMCompactStats | None:
+        """This half's counter increases since its last report (None when none grew)."""
+        if self.worker is not None:
+            totals = stats.read_counters(self.worker, stats.WORKER_SOURCES)
+        else:
+            totals = stats.read_counters(self._scheduler(), stats.SCHEDULER_SOURCES)
+        increases = self._counter_deltas.take(totals)
+        return LMCompactStats(data=increases) if increases else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCompactStats:
+        return LMCompactStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LMCompactPromMetrics:
+        return LMCompactPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

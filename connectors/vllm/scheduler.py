@@ -156,6 +156,8 @@ class Scheduler:
         self._next = LMCompactMetadata(StepMetadata())  # what the next step's metadata carries
         self.stats = {
             "lookups": 0,
+            "hits": 0,  # lookups that found the prefix's first chunk, or found none
+            "misses": 0,
             "store_queries": 0,
             "hit_chunks": 0,
             "waits": 0,
@@ -264,7 +266,9 @@ class Scheduler:
             self.stats["waits"] += 1
             return None
         if present <= first:
+            self.stats["misses"] += 1
             return 0
+        self.stats["hits"] += 1
         tracked.pending, tracked.pending_start = present - first, num_computed
         return tracked.pending * c
 

@@ -24,6 +24,7 @@ from connectors.vllm.config import (
     kept_blocks,
     without_two_stages,
 )
+from connectors.vllm.kv_dtype import fp8_store_defaults, refuse_fp8_combinations
 from connectors.vllm.patches import engine
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
 from lmcompact.compaction.policy_inputs import probe_inputs
@@ -68,8 +69,8 @@ class ConnectorSpec:
     @classmethod
     def build(cls, vllm_config: Any) -> ConnectorSpec:
         """The spec of ``vllm_config`` (built and checked once per process and config)."""
-        extra = engine.transfer_extra_config(vllm_config)
         facts = engine.engine_facts(vllm_config)
+        extra = fp8_store_defaults(engine.transfer_extra_config(vllm_config), facts)
         max_len = int(vllm_config.model_config.max_model_len)
         key = (json.dumps(extra, sort_keys=True, default=str), facts, max_len)
         with _LOCK:
@@ -95,6 +96,7 @@ class ConnectorSpec:
         """Check ``config`` against the engine and build the spec (no caching)."""
         policy = config.policy_object
         check_against_engine(config, policy, facts)
+        refuse_fp8_combinations(config, facts)
         if config.release is not None:
             refuse_under_tensor_parallel(config, facts.tp_size)
         spec = cls(
@@ -188,7 +190,7 @@ def build_namespace(
         params["sliding_rows"] = "recent"
     return StoreNamespace(
         model_id=config.store.model_id or facts.model_id,
-        kv_dtype=str(facts.dtype).removeprefix("torch."),
+        kv_dtype=str(facts.page_element_dtype).removeprefix("torch."),
         kv_layout=STORE_LAYOUT,
         tp_rank=tp_rank,
         tp_world_size=facts.tp_size,

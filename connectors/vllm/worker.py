@@ -42,6 +42,7 @@ import torch
 
 from connectors.vllm import metadata as wire
 from connectors.vllm.config import RELEASE_KEY, ReleaseOptions
+from connectors.vllm.kv_dtype import refuse_fp8_scales
 from connectors.vllm.patches import attention as attention_patch
 from connectors.vllm.patches import engine
 from connectors.vllm.patches import runner as runner_patch
@@ -59,6 +60,7 @@ from lmcompact.compaction.device_pack import DevicePacker
 from lmcompact.compaction.heavy_hitters import HeavyHitterScores
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
 from lmcompact.compaction.holes import cut_holes_in_place
+from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.pack import WindowQueries, pack_in_place
 from lmcompact.compaction.page_layout import PageLayout, make_layout
 from lmcompact.compaction.per_head import head_rows, layer_runs, on_device
@@ -209,6 +211,9 @@ class Worker:
             )
         first = next(iter(self.layers))
         attention_patch.check_page_layout(self.facts, self.kv_caches[first], self.layers[first])
+        refuse_fp8_scales(
+            self.config, self.fp8_pages(), engine.calculates_kv_scales(self.vllm_config)
+        )
         for name, layer in self.layers.items():
             attention_patch.wrap_attention_forward(
                 name, layer, self._before_attention, self._after_attention
@@ -254,6 +259,12 @@ class Worker:
         self.perhead = self._observer(PerHeadAttention)
         # it reads this step's holes inside attention, on uncut metadata (as release does)
         self.cut_at_build = False
+
+    def fp8_pages(self) -> Fp8Pages | None:
+        """How to read fp8 pages with the layers' scales as they are now; None otherwise."""
+        if not self.facts.fp8:
+            return None
+        return engine.fp8_pages(self.facts.kv_cache_dtype, list(self.layers.values()))
 
     @property
     def sliding_layers(self) -> frozenset[int]:
@@ -475,6 +486,7 @@ class Worker:
             index = self.layer_index[name]
             for req_id, rows in self._capture_rows.items():
                 q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+                q = engine.query_numbers(layer, q, self.facts.dtype)  # fp8 queries (FA3)
                 # stays on the device (no host sync per layer): the GPU pack reads it there,
                 # the save path copies it to the host in _copy_job
                 self._captured[req_id][index].append(q.detach().clone())
@@ -490,9 +502,13 @@ class Worker:
         index = self.layer_index[name]
         for req_id, (rows, positions, spec) in self._recon_rows.items():
             q = query.view(query.shape[0], -1, self.facts.head_dim)[rows.to(query.device)]
+            q = engine.query_numbers(layer, q, self.facts.dtype)
             keys, _ = self.layout.read(
                 self.kv_caches[name], spec.block_ids, 0, int(positions.max()) + 1
             )
+            fp8 = self.fp8_pages()
+            if fp8 is not None:
+                keys = fp8.keys(index, keys)
             self._recon[req_id].observe(
                 index, q, positions.to(keys.device), keys, engine.attention_scale(layer)
             )
@@ -822,7 +838,11 @@ class Worker:
             context_scores=context_scores,
         )
         # on the GPU the window scores cost milliseconds there and seconds on the host
-        masses = window_masses(job, self.layout, self.policy) if caches[0].is_cuda else None
+        masses = (
+            window_masses(job, self.layout, self.policy, self.fp8_pages())
+            if caches[0].is_cuda
+            else None
+        )
         n, q = len(gathered), len(window_queries)
         host, job.copied = self._to_host([*gathered, *window_queries, *(masses or [])])
         job.pages, job.queries = host[:n], host[n : n + q] if job.queries is not None else None
@@ -909,6 +929,7 @@ class Worker:
                 self.kept,
                 recent_layers=self.sliding_layers,
                 cap=self.cap,
+                fp8=self.fp8_pages(),
             )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
@@ -1009,7 +1030,11 @@ class Worker:
             return
         first = next(iter(worker.layers.values()))
         self.device_packer = DevicePacker(
-            layers, worker.facts.block_size, engine.attention_scale(first)
+            layers,
+            worker.facts.block_size,
+            engine.attention_scale(first),
+            self.fp8_pages(),
+            worker.facts.dtype,
         )
         if self._release_options().warm_up:
             began = time.perf_counter()
@@ -1091,23 +1116,12 @@ class Worker:
                 reserved=None if self.perhead is None else job.reserved,
                 recent_layers=self.sliding_layers,
                 start=job.start,
+                fp8=self.fp8_pages(),
             )
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
             self._done(job, time.perf_counter() - began)
-            logger.info(
-                "compacted %s in place: kept %d of %d prompt tokens per (layer, head) (%s)%s",
-                job.req_id,
-                job.start + job.kept,
-                job.start + job.num_tokens + job.hole_tokens,
-                self.config.policy,
-                f"; its first {job.start} are shared through vLLM's prefix cache"
-                if job.start
-                else f"; chosen among the {job.num_tokens} the store kept and the tail"
-                if job.hole_tokens
-                else "",
-            )
             self._pack_times.append((time.perf_counter() - began, None, None))
 
     def _device_pack(self, job: wire.PackJob, window: WindowQueries | None, began: float) -> None:
@@ -1130,11 +1144,26 @@ class Worker:
         )
         end.record()
         host = time.perf_counter() - began
-        self._done(job, host)  # launched: later kernels on the stream see it
+        self._done(job, host, on_device=True)  # launched: later kernels on the stream see it
         self.pack_stats["device_packs"] += 1
         self._pack_times.append((host, start, end))
 
-    def _done(self, job: wire.PackJob, seconds: float) -> None:
+    def _done(self, job: wire.PackJob, seconds: float, on_device: bool = False) -> None:
+        """A pack ran (reference) or was launched (``on_device``): its hole may go back; one
+        INFO line on either path."""
+        logger.info(
+            "compacted %s in place%s: kept %d of %d prompt tokens per (layer, head) (%s)%s",
+            job.req_id,
+            " on the device" if on_device else "",
+            job.start + job.kept,
+            job.start + job.num_tokens + job.hole_tokens,
+            self.config.policy,
+            f"; its first {job.start} are shared through vLLM's prefix cache"
+            if job.start
+            else f"; chosen among the {job.num_tokens} the store kept and the tail"
+            if job.hole_tokens
+            else "",
+        )
         self.forget_window(job.req_id)
         with self._lock:  # its hole goes back once every rank said so
             self._report.packed.add((job.req_id, self.tp_rank))

@@ -27,7 +27,9 @@ class EngineShape(Protocol):
     @property
     def head_dim(self) -> int: ...
     @property
-    def dtype(self) -> torch.dtype: ...
+    def page_dtype(self) -> torch.dtype:
+        """dtype of the cache's elements (uint8 for fp8 caches), which stored rows keep."""
+        ...
 
 
 def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tensor:
@@ -138,7 +140,7 @@ def chunk_problem(
         facts.num_kv_heads,
         facts.head_dim,
         facts.head_dim,
-        facts.dtype,
+        facts.page_dtype,
         chunk_size,
         None if cap is not None else kept,
     )

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.save_job import SCORE_NEEDS
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import CompactionPolicy
@@ -108,14 +109,27 @@ class DevicePacker:
             order, all on one CUDA device with one shape and stride.
         block_size: tokens per block.
         scale: attention softmax scale.
+        fp8: the caches hold fp8 bytes: scores read the numbers they decode to (in
+            ``score_dtype``), the scatter moves the bytes.
+        score_dtype: dtype of the window-score kernel for fp8 caches (the model dtype);
+            other caches score in their own dtype.
     """
 
-    def __init__(self, kv_layers: Sequence[torch.Tensor], block_size: int, scale: float) -> None:
+    def __init__(
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        block_size: int,
+        scale: float,
+        fp8: Fp8Pages | None = None,
+        score_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         from lmcompact.kernels.paged_pack import layer_pointers
 
         self.kv_layers = list(kv_layers)
         self.block_size = block_size
         self.scale = scale
+        self.fp8 = fp8
+        self.score_dtype = score_dtype if fp8 is not None else self.kv_layers[0].dtype
         self.device = self.kv_layers[0].device
         self.ptrs = layer_pointers(self.kv_layers)
 
@@ -155,6 +169,8 @@ class DevicePacker:
         pages = gather_pages(self.kv_layers, self.ptrs, row)  # (L, T, H, 2D)
         d = pages.shape[-1] // 2
         keys = pages[..., :d].permute(0, 2, 1, 3)  # (L, H, T, D) view, head_dim contiguous
+        if self.fp8 is not None:
+            keys = self.fp8.stacked_keys(keys).to(self.score_dtype).contiguous()
         mass = None
         if policy.needs & SCORE_NEEDS:
             if queries is None or positions is None:
@@ -214,7 +230,7 @@ class DevicePacker:
                     two_d // 2,
                     device=self.device,
                     generator=gen,
-                ).to(self.kv_layers[0].dtype)
+                ).to(self.score_dtype)
                 positions = torch.arange(tokens - window, tokens, device=self.device)
             began = time.perf_counter()
             self.pack(range(1, tokens // bs + 1), tokens, kept, policy, queries, positions)

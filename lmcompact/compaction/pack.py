@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.compaction.per_head import pack_per_head
 from lmcompact.compaction.policy_inputs import Queries, compaction_inputs, layer_observation
@@ -176,6 +177,7 @@ def pack_in_place(
     reserved: int | None = None,
     recent_layers: frozenset[int] = frozenset(),
     start: int = 0,
+    fp8: Fp8Pages | None = None,
 ) -> list[list[torch.Tensor]]:
     """Pack each (layer, head)'s kept tokens of ``[start, start + num_tokens)`` into slots
     ``[start, start + kept)``; slots before ``start`` are neither read nor written.
@@ -195,6 +197,8 @@ def pack_in_place(
             (see :func:`plan_pack`).
         start: first token of the span (block aligned): blocks before it are shared with
             other requests through vLLM's prefix cache and stay untouched.
+        fp8: the caches hold fp8 bytes: the policy scores their decoded numbers, and the
+            bytes move untouched. Not with ``reserved``.
 
     Returns:
         The kept indices per (layer, head); with ``reserved`` their lengths are the counts
@@ -209,11 +213,17 @@ def pack_in_place(
         )
     if start and reserved is not None:
         raise ValueError("per-head counts (reserved) pack from token 0 only")
+    if fp8 is not None and reserved is not None:
+        raise ValueError("per-head counts (reserved) are not supported on fp8 caches")
     per_layer = [layout.read(kv, block_ids, start, num_tokens) for kv in kv_layers]
-    per_layer = [(k.float(), v.float()) for k, v in per_layer]
-    chosen = plan_pack(
-        per_layer, policy, kept, window, reserved, kv_layers[0].dtype, recent_layers, start
-    )
+    if fp8 is None:
+        per_layer = [(k.float(), v.float()) for k, v in per_layer]
+        scored = per_layer
+        kernel_dtype = kv_layers[0].dtype
+    else:  # bytes stay bytes (gathered and written back as they are); scores read numbers
+        scored = [(fp8.keys(i, k), fp8.values(i, v)) for i, (k, v) in enumerate(per_layer)]
+        kernel_dtype = torch.float32
+    chosen = plan_pack(scored, policy, kept, window, reserved, kernel_dtype, recent_layers, start)
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved, per_layer)
         return chosen

@@ -52,6 +52,7 @@ from lmcompact.compaction.chunks import (
     full_nbytes,
     uniform_keep,
 )
+from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.compaction.policy_inputs import (
     SCORE_NEEDS,
@@ -207,18 +208,21 @@ def observe_layer(
 
 
 def window_masses(
-    job: SaveJob, layout: PageLayout, policy: CompactionPolicy
+    job: SaveJob, layout: PageLayout, policy: CompactionPolicy, fp8: Fp8Pages | None = None
 ) -> list[torch.Tensor] | None:
     """Per layer ``(H, num_tokens)`` float32 window scores of ``job``, computed where its
     pages are (on CUDA: the Triton kernel, a few ms for a 16k prompt, against seconds of
     host time in :func:`compact_job`); None when the policy needs no window scores, or
-    needs the window's per-query rows too (those stay with :func:`compact_job`)."""
+    needs the window's per-query rows too (those stay with :func:`compact_job`). ``fp8``:
+    the pages hold fp8 bytes, scored as the numbers they decode to."""
     needs = policy.needs
     if Need.WINDOW_SCORES not in needs or Need.WINDOW_ATTENTION in needs:
         return None
     masses: list[torch.Tensor] = []
     for index, pages in enumerate(job.pages):
         keys, _ = layout.pages_to_tokens(pages)
+        if fp8 is not None:
+            keys = fp8.keys(index, keys)
         window, _ = job.layer_queries(index, policy)
         if window is None or window.queries.shape[1] == 0:
             return None
@@ -246,6 +250,7 @@ def compact_job(
     store_dtype: torch.dtype | None = None,
     recent_layers: frozenset[int] = frozenset(),
     cap: int | None = None,
+    fp8: Fp8Pages | None = None,
 ) -> list[tuple[ChunkKey, CompactedChunk]]:
     """Compact every chunk of ``job``: ``(key, chunk)`` pairs ready for the store.
 
@@ -262,6 +267,8 @@ def compact_job(
         cap: ``store.per_head``: each (layer, head) keeps the plan's own count of a chunk,
             at most ``cap`` (the policy sees it as ``CompactionInputs.max_tokens``); None:
             every (layer, head) keeps ``kept_per_chunk``.
+        fp8: the pages hold fp8 bytes: the policy scores the numbers they decode to, and
+            the chunks keep the bytes (a load writes back what the engine wrote).
     """
     if kept_per_chunk > chunk_size or kept_per_chunk < 1:
         raise ValueError(f"kept_per_chunk must be in [1, {chunk_size}], got {kept_per_chunk}")
@@ -277,6 +284,8 @@ def compact_job(
         keys, values = layout.pages_to_tokens(pages)
         keys, values = keys[:, : job.num_tokens], values[:, : job.num_tokens]
         per_layer.append((keys, values))
+        if fp8 is not None:
+            keys, values = fp8.keys(index, keys), fp8.values(index, values)
         window, sample = job.layer_queries(index, policy)
         if window is not None:
             query_positions = joined_positions(

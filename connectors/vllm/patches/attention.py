@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from connectors.vllm.patches import engine
 from lmcompact.compaction.holes import Hole, skip_holes, skip_holes_on_device
+from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.page_layout import make_layout
 
 
@@ -198,8 +200,9 @@ def check_page_layout(facts: Any, kv_layer: torch.Tensor, layer: Any) -> None:
 
     Runs once at ``register_kv_caches`` on a scratch tensor shaped like one page; raises
     ValueError when the backend packs pages in a way :mod:`lmcompact.compaction.page_layout`
-    does not
-    know (for instance an ISA whose packing was never measured).
+    does not know (for instance an ISA whose packing was never measured). The kernel gets
+    K/V in the model dtype, as in a forward pass: an fp8 cache (uint8 pages) quantizes them
+    itself, and the bytes read back are decoded with the layer's scales.
     """
     layout = make_layout(facts.layout_name, facts.block_size)
     h, bs, d = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3] // 2
@@ -207,15 +210,44 @@ def check_page_layout(facts: Any, kv_layer: torch.Tensor, layer: Any) -> None:
     # so the kernel writes the scratch pages exactly as it writes the real ones.
     scratch = torch.zeros_like(kv_layer[:2])
     n = bs + bs // 2
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    keys = torch.randn(n, h, d, generator=gen).to(kv_layer.dtype).to(kv_layer.device)
-    values = torch.randn(n, h, d, generator=gen).to(kv_layer.dtype).to(kv_layer.device)
+    pages = engine.fp8_pages(facts.kv_cache_dtype, [layer]) if facts.fp8 else None
+    keys, values = _probe_kv(n, h, d, pages)
+    keys, values = keys.to(facts.dtype).to(kv_layer.device), values.to(facts.dtype)
+    values = values.to(kv_layer.device)
     slots = torch.arange(n, dtype=torch.int64, device=kv_layer.device)
     layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
     got_k, got_v = layout.read(scratch, [0, 1], 0, n)
-    same_k = torch.equal(got_k, keys.transpose(0, 1))
-    if not (same_k and torch.equal(got_v, values.transpose(0, 1))):
+    want_k, want_v = keys.transpose(0, 1), values.transpose(0, 1)
+    if pages is None:
+        same = torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    else:
+        same = _close(pages.keys(0, got_k), want_k, pages.tolerance()) and _close(
+            pages.values(0, got_v), want_v, pages.tolerance()
+        )
+    if not same:
         raise ValueError(
             f"the {facts.device_type} attention backend packs KV pages differently from the "
-            f"{facts.layout_name!r} layout this connector knows (isa={getattr(layer, 'isa', '?')})"
+            f"{facts.layout_name!r} layout this connector knows (isa={getattr(layer, 'isa', '?')}"
+            f", kv_cache_dtype={facts.kv_cache_dtype})"
         )
+
+
+def _probe_kv(n: int, h: int, d: int, pages: Fp8Pages | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n, h, d)`` probe keys and values: random normals, or for an fp8 cache powers of two
+    times the layer's scales (exact in every fp8 format, a factor 2 apart, so a misplaced
+    number is far outside one unit of rounding)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    if pages is None:
+        return torch.randn(n, h, d, generator=gen), torch.randn(n, h, d, generator=gen)
+
+    def grid(scale: float) -> torch.Tensor:
+        exponent = torch.randint(-3, 4, (n, h, d), generator=gen).float()
+        sign = torch.randint(0, 2, (n, h, d), generator=gen).float() * 2 - 1
+        return sign * torch.pow(2.0, exponent) * scale
+
+    return grid(pages.k_scales[0]), grid(pages.v_scales[0])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    want = want.float()
+    return bool(((got - want).abs() <= tolerance * want.abs()).all())

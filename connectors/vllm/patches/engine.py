@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lmcompact.attention.rope import Rope
+from lmcompact.compaction.kv_quant import Fp8Pages, fp8_format, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,28 @@ class EngineFacts:
     lookahead_tokens: int = 0
     """Tokens a request may have scheduled beyond those processed: one under async
     scheduling, plus speculative tokens."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``kv_cache_dtype`` ("auto": the model dtype; "fp8*": fp8 bytes in uint8 pages)."""
 
     @property
     def layout_name(self) -> str:
         return "head_major_kt" if self.device_type == "cpu" else "token_major"
+
+    @property
+    def fp8(self) -> bool:
+        """The pages hold fp8 bytes (:mod:`lmcompact.compaction.kv_quant`)."""
+        return is_fp8(self.kv_cache_dtype)
+
+    @property
+    def page_element_dtype(self) -> torch.dtype:
+        """What one cache element holds: the float8 format of an fp8 cache, else ``dtype``
+        (names stored chunks: other formats' bytes mean other numbers)."""
+        return fp8_format(self.kv_cache_dtype) if self.fp8 else self.dtype
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        """dtype of the cache's elements, and of stored rows (uint8 for fp8 caches)."""
+        return torch.uint8 if self.fp8 else self.dtype
 
 
 def engine_facts(vllm_config: Any) -> EngineFacts:
@@ -97,6 +116,7 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         sliding_window=_config_sliding_window(model),
         tp_size=tp_size,
         lookahead_tokens=_lookahead_tokens(vllm_config),
+        kv_cache_dtype=str(getattr(cache, "cache_dtype", "auto") or "auto"),
     )
 
 
@@ -179,6 +199,42 @@ def _layer_index(name: str) -> tuple[int, str]:
 
 def attention_scale(layer: Any) -> float:
     return float(layer.impl.scale)
+
+
+def fp8_pages(kv_cache_dtype: str, layers: list[Any]) -> Fp8Pages:
+    """How to read ``layers``' fp8 pages, with their scales as they are now (vLLM's
+    ``calculate_kv_scales`` sets them during the first forward passes)."""
+    return Fp8Pages.of(
+        kv_cache_dtype,
+        [float(getattr(layer, "_k_scale_float", 1.0)) for layer in layers],
+        [float(getattr(layer, "_v_scale_float", 1.0)) for layer in layers],
+    )
+
+
+def query_numbers(layer: Any, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Post-RoPE queries ``(tokens, heads, D)`` as numbers in ``dtype``.
+
+    With an fp8 KV cache, backends that read fp8 queries (FlashAttention 3 on vLLM 0.26)
+    get them quantized by the attention layer (``fp8(q / q_scale)``, one scale or one per
+    KV head's query group); other queries are returned as they are.
+    """
+    if query.element_size() != 1:
+        return query
+    numbers = query.to(dtype)
+    scale = getattr(layer, "_q_scale", None)
+    if scale is None:
+        return numbers
+    scale = scale.detach().to(numbers.device, dtype).flatten()
+    if scale.numel() == 1:
+        return numbers * scale
+    tokens, heads, dim = numbers.shape  # one scale per KV head's group of query heads
+    grouped = numbers.reshape(tokens, scale.numel(), heads // scale.numel() * dim)
+    return (grouped * scale[None, :, None]).view(tokens, heads, dim)
+
+
+def calculates_kv_scales(vllm_config: Any) -> bool:
+    """Whether vLLM computes fp8 KV scales from the first batches (``calculate_kv_scales``)."""
+    return bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
 
 
 def num_query_heads(layer: Any) -> int:

@@ -141,4 +141,4 @@ class _Facts:
     num_layers = LAYERS
     num_kv_heads = 2
     head_dim = 16
-    dtype = torch.float32
+    page_dtype = torch.float32
