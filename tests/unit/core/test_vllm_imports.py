@@ -26,6 +26,8 @@ PUBLIC_MODULES = frozenset(
     {
         "vllm.config",
         "vllm.distributed.kv_transfer.kv_connector.v1.base",
+        # the connector API's stats types (get_kv_connector_stats, build_prom_metrics)
+        "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
         # types named by the base class's method signatures
         "vllm.v1.core.sched.output",
         "vllm.v1.request",

@@ -48,8 +48,10 @@ def test_cases_per_task() -> None:
     assert len(single) == 6 and all(len(c.stored.needles) == 1 for c in single)
     assert sorted(c.stored.needles[0].depth for c in single) == [0.1, 0.1, 0.5, 0.5, 0.9, 0.9]
     assert next(iter(cells(config))) == ("none", "none", 1.0)
-    # 4 modes x 2 budgets, but "both" only below its store budget (0.5): 0.25 alone
-    assert len(list(cells(config))) == 1 + 3 * 2 + 1
+    # the default mode once per budget (no policy), 4 modes x 2 budgets, but "both" only
+    # below its store budget (0.5): 0.25 alone
+    assert len(list(cells(config))) == 1 + 2 + 3 * 2 + 1
+    assert ("default", "auto", 0.25) in set(cells(config))
     assert ("both", "snapkv", 0.5) not in set(cells(config))
 
 

@@ -68,7 +68,8 @@ def test_eval_modes_are_valid_connector_options() -> None:
     for mode in MODES:
         extra = connector_extra(mode, "snapkv", 0.25, config, "ns")
         parsed = ConnectorConfig.from_extra(extra)
-        # inplace: no store; both: stored compacted, then packed at load
-        assert parsed.store_compacts == (mode in ("save", "both")) or mode == "inplace"
+        # inplace: no store; both and default: stored compacted, then packed at load
+        compacted = ("save", "both", "default")
+        assert parsed.store_compacts == (mode in compacted) or mode == "inplace"
         assert (parsed.release_mode is PrefillMode.PACK) == (mode != "save")
         assert parsed.store.enabled == (mode != "inplace")
