@@ -8,7 +8,7 @@ once in 44); with it, a computed prompt reserves ``max(6, 4) + 1 = 7`` blocks.
 
 After every engine step: the pool is consistent (no block both free and held, reference
 counts equal to holders), no request holds more than the peak the admission rule gave it,
-and nobody was preempted. Two requests are aborted mid-generation. At the end every block
+and nobody was preempted. Two requests are aborted on the way. At the end every block
 is free again.
 """
 
