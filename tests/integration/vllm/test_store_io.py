@@ -74,9 +74,9 @@ def test_repeat_waits_for_the_save_then_loads_once_without_kv_in_metadata(
             time.sleep(SAVE_DELAY_S)  # a save still running when the repeat arrives
             return put_many(items)
 
-        def counted_get_many(keys: Any) -> Any:
+        def counted_get_many(keys: Any, *args: Any) -> Any:
             fetched.append(len(keys))
-            return get_many(keys)
+            return get_many(keys, *args)
 
         store.put_many = slow_put_many
         store.get_many = counted_get_many
