@@ -63,7 +63,7 @@ from lmcompact.compaction.holes import cut_holes_in_place
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.pack import WindowQueries, pack_in_place
 from lmcompact.compaction.page_layout import PageLayout, make_layout
-from lmcompact.compaction.per_head import head_rows, layer_runs, on_device
+from lmcompact.compaction.per_head import dense_image, head_rows, layer_runs, on_device
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
 from lmcompact.compaction.window_merge import WindowScores, decode_window
@@ -711,18 +711,18 @@ class Worker:
             torch.cuda.current_stream(device).synchronize()
 
     def _write_per_head(self, load: wire.LoadSpec, chunks: list[CompactedChunk]) -> None:
-        """``store.per_head``: each (layer, head) gets its rows of every chunk, in order,
-        from slot ``load.start``, and zeros up to ``n * slots`` (the scheduler's hole starts
-        there); the per-head recompute masks each head's zeros from then on::
+        """``store.per_head``: each (layer, head) gets its rows of every chunk, in order, and
+        each layer's heads are laid out as dense cells of slots ``[load.start, load.start + n
+        * slots)`` (the scheduler's hole starts there); the per-head recompute reads them::
 
-            head 0   [ rows of chunk 0 | rows of chunk 1 | 0 0 0 0 0 0 0 | hole ... ]
-            head 1   [ rows of chunk 0    | rows of chunk 1     | 0 0 0 0 | hole ... ]
-                     load.start                                 load.start + n * slots
+            cells    [ head 0: rows of c0, c1 | head 1: rows of c0, c1 | ... | 0 0 ] hole ...
+                     load.start                                  load.start + n * slots
         """
         assert self.perhead is not None
         device = next(iter(self.kv_caches.values())).device
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
         width = len(chunks) * self.slots
+        bs = self.facts.block_size
         first = chunks[0]
         layer_bytes = (
             self.facts.num_kv_heads
@@ -737,14 +737,21 @@ class Worker:
             for name, kv in self.kv_caches.items():
                 layer = self.layer_index[name]
                 if lo <= layer < hi:
+                    own = filled[layer - lo]
                     self.layout.write(
-                        kv, block_ids, load.start, keys[layer - lo], values[layer - lo]
+                        kv,
+                        block_ids,
+                        load.start,
+                        dense_image(keys[layer - lo], own, width, bs),
+                        dense_image(values[layer - lo], own, width, bs),
                     )
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # as in _write_chunks
         # slots before load.start hold every head's full KV (vLLM's own hits)
         totals = torch.cat(counts) + load.start
-        self.perhead.add(load.req_id, load.block_ids[0], totals, load.start + width)
+        self.perhead.add(
+            load.req_id, load.block_ids[0], totals, load.start + width, base=load.start
+        )
 
     def _fetch(self, load: wire.LoadSpec) -> list[CompactedChunk] | None:
         """The load's chunks, verified against this engine; None if any is missing or bad."""

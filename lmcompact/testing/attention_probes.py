@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lmcompact.compaction.per_head import dense_rows
+
 Prefix = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """Per kv head: ``(keys (n, D), values (n, D), original positions (n,))`` of a prefix."""
 
@@ -217,10 +219,13 @@ class PerHeadRecorder:
 
 
 def dense_reference(call: PerHeadCall, layout: Any, scale: float) -> torch.Tensor:
-    """``(q_len, Hq, D)`` float64: each kv head attends to its own ``count`` packed keys
-    plus the causal tail, by a dense softmax over keys read through ``layout``."""
+    """``(q_len, Hq, D)`` float64: each kv head attends to its own ``count`` kept keys (read
+    back from the request's dense cells) plus the causal tail, by a dense softmax."""
     n_blocks = call.pages.shape[0]
     keys, values = layout.read(call.pages, list(range(n_blocks)), 0, call.seq_len)
+    bs = layout.block_size
+    kept_k = dense_rows(keys[:, : call.reserved], call.counts, bs)
+    kept_v = dense_rows(values[:, : call.reserved], call.counts, bs)
     q_len, hq, _ = call.queries.shape
     hkv = keys.shape[0]
     group = hq // hkv
@@ -228,10 +233,8 @@ def dense_reference(call: PerHeadCall, layout: Any, scale: float) -> torch.Tenso
     for h in range(hkv):
         for i in range(q_len):
             last = call.seq_len - q_len + i + 1
-            index = torch.cat(
-                [torch.arange(int(call.counts[h])), torch.arange(call.reserved, last)]
-            ).to(keys.device)
-            k, v = keys[h, index].double(), values[h, index].double()
+            k = torch.cat([kept_k[h], keys[h, call.reserved : last]]).double()
+            v = torch.cat([kept_v[h], values[h, call.reserved : last]]).double()
             q = call.queries[i, h * group : (h + 1) * group].double()
             out[i, h * group : (h + 1) * group] = torch.softmax(q @ k.T * scale, -1) @ v
     return out

@@ -91,7 +91,7 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(dtype: torch.d
             (hole.start_block + hole.num_blocks) * bs,
             logical[rid],
             d**-0.5,
-            k_max=2 * bs,
+            reserved=2 * bs,
         )
         assert rel_err(output[span].view(-1, h * g, d), want) < 2e-2
     assert math.isfinite(float(output.float().abs().sum()))

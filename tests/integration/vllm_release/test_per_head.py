@@ -29,7 +29,7 @@ from tests.integration.vllm_release.harness import (
     run,
     scheduler,
 )
-from tests.integration.vllm_release.perhead_probe import PerHeadRecorder, dense_reference
+from lmcompact.testing.attention_probes import PerHeadRecorder, dense_reference
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
         connector = get_kv_transfer_group()
         perhead = connector.worker.perhead
         assert perhead is not None
-        recorder = PerHeadRecorder(connector, [LAYER])
+        recorder = PerHeadRecorder(connector.worker, [LAYER])
         recorder.install()
         sched = scheduler(llm).connector.scheduler
         held: dict[str, list[tuple[int, int, int]]] = {r: [] for r in PROMPTS}
@@ -121,7 +121,7 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
             call.reserved,
             call.seq_len,
             scale,
-            k_max=call.reserved,
+            reserved=call.reserved,
         )
         torch.testing.assert_close(call.out, paged, rtol=1e-4, atol=1e-5)
         gap_vllm = max(gap_vllm, float((call.vllm_out - want).abs().max()))

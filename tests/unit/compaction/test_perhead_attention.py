@@ -80,16 +80,15 @@ def test_recompute_overwrites_per_head_rows_only(layout_name: str) -> None:
                 hole.start_block * BS + hole.num_blocks * BS,
                 LOGICAL[rid],
                 SCALE,
-                k_max=2 * BS,
+                reserved=2 * BS,
             )
             torch.testing.assert_close(output[rows].view(-1, H * G, D), want)
     assert perhead.stats == {"requests": 2, "calls": 2, "query_rows": 8}
 
 
-def test_forgotten_requests_and_full_counts_are_not_recomputed() -> None:
+def test_forgotten_requests_are_not_recomputed() -> None:
     perhead, metadata, _ = batch("head_major_kt")
     perhead.add("a", 3, COUNTS["a"], 2 * BS)
-    perhead.add("c", 10, torch.full((L, H), 2 * BS), 2 * BS)  # no padding: nothing to fix
     assert set(perhead.entries) == {"a"}
     perhead.begin_step(HOLES, forgotten=["a"])
     output = torch.randn(5, H * G * D)
@@ -100,11 +99,13 @@ def test_forgotten_requests_and_full_counts_are_not_recomputed() -> None:
 
 def test_inconsistent_state_raises() -> None:
     perhead, metadata, _ = batch("head_major_kt")
-    with pytest.raises(ValueError, match="counts <= reserved"):
+    with pytest.raises(ValueError, match="overflow"):
         perhead.add("a", 3, COUNTS["a"], BS)
+    with pytest.raises(ValueError, match="block-aligned base"):
+        perhead.add("a", 3, COUNTS["a"], 2 * BS, base=2)
     with pytest.raises(ValueError, match="counts must be"):
         perhead.add("a", 3, COUNTS["a"][0], 2 * BS)
     perhead.add("a", 3, COUNTS["a"], 3 * BS)  # the hole starts at 2 blocks
     perhead.begin_step(HOLES, forgotten=[])
-    with pytest.raises(RuntimeError, match="per-head pack reserved"):
+    with pytest.raises(RuntimeError, match="per-head cells end"):
         perhead("l0", torch.randn(5, H * G * D), metadata, torch.zeros(5, H * G * D))

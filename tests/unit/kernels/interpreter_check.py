@@ -21,7 +21,7 @@ from lmcompact.kernels.reference_paged import (
     move_slots_reference,
     paged_attention_reference,
 )
-from lmcompact.kernels.synthetic import random_paged_case
+from lmcompact.kernels.synthetic import densify, random_paged_case
 
 FAILURES: list[str] = []
 
@@ -69,6 +69,58 @@ def check_attention() -> None:
         assert mass is not None and want_mass is not None
         check(f"paged attention case {i}", got, want)
         check(f"paged attention mass case {i}", mass, want_mass)
+
+
+def check_dense() -> None:
+    """Dense per-head cells (lmcompact.layout.paged): prefill and decode kernels over
+    :func:`densify`'d batches equal the reference over the original slots."""
+    cases = [
+        # kept, prefix, tail, q_len, base, layout, splits
+        ([[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 3], 0, "vllm", 2),
+        ([[8, 4, 13], [16, 7, 30]], [16, 32], [5, 9], [5, 9], 4, "flash", None),
+    ]
+    for i, (kept, prefix, tail, q_len, base, layout, splits) in enumerate(cases):
+        case = random_paged_case(
+            kept, prefix, tail, q_len, group=2, head_dim=32, block_size=4, layout=layout, seed=i
+        )
+        dense = densify(case, base)
+        args = (case.block_table, case.cu_seqlens_q)
+        want, _ = paged_attention_reference(
+            case.queries, case.key_pool, case.value_pool, *args, case.lengths
+        )
+        got, _ = paged_attention.paged_attention(
+            dense.queries,
+            dense.key_pool,
+            dense.value_pool,
+            *args,
+            dense.lengths,
+            num_splits=splits,
+            block_n=16,
+        )
+        check(f"dense cells case {i}", got, want)
+    decode = random_paged_case(
+        [[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 1], group=2, head_dim=32, block_size=4
+    )
+    dense = densify(decode, 0)
+    want, _ = paged_attention_reference(
+        decode.queries,
+        decode.key_pool,
+        decode.value_pool,
+        decode.block_table,
+        decode.cu_seqlens_q,
+        decode.lengths,
+    )
+    got = paged_attention.paged_decode_attention(
+        dense.queries,
+        dense.key_pool,
+        dense.value_pool,
+        dense.block_table,
+        dense.cu_seqlens_q,
+        dense.lengths,
+        scale=32**-0.5,
+        num_splits=2,
+    )
+    check("dense cells decode kernel", got, want)
 
 
 def _int8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +254,7 @@ def check_moves() -> None:
 if __name__ == "__main__":
     check_attention()
     check_decode()
+    check_dense()
     check_window_scores()
     check_moves()
     sys.exit(1 if FAILURES else 0)

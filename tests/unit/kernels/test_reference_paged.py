@@ -7,7 +7,7 @@ import torch
 
 from lmcompact.attention.reference import ragged_attention
 from lmcompact.kernels.reference_paged import paged_attention_reference, visible_slots
-from lmcompact.kernels.synthetic import random_paged_case
+from lmcompact.kernels.synthetic import densify, random_paged_case
 from lmcompact.layout.paged import PagedLengths, vllm_kv_views
 
 CASES = [
@@ -92,3 +92,33 @@ def test_lengths_validation_names_the_problem() -> None:
         )
     with pytest.raises(ValueError, match="seq_len"):
         good.validate(2, 8, 4)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flash"])
+@pytest.mark.parametrize("base", [0, 4])
+def test_dense_cells_give_the_same_attention_as_padded_slots(layout: str, base: int) -> None:
+    kept = [[5, 4, 13], [16, 7, 30]]  # a head keeping more than the others' mean
+    case = random_paged_case(
+        kept, [16, 32], [3, 9], [1, 3], group=2, head_dim=8, block_size=4, layout=layout
+    )
+    dense = densify(case, base)
+    args = (case.block_table, case.cu_seqlens_q)
+    want, _ = paged_attention_reference(
+        case.queries, case.key_pool, case.value_pool, *args, case.lengths
+    )
+    got, _ = paged_attention_reference(
+        dense.queries, dense.key_pool, dense.value_pool, *args, dense.lengths
+    )
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert dense.lengths.dense
+    # head cells that run into the tail's blocks are refused
+    bad = PagedLengths(
+        dense.lengths.kept,
+        dense.lengths.tail_start,
+        dense.lengths.seq_len,
+        dense.lengths.dense_start + 1000,
+        dense.lengths.dense_base,
+    )
+    with pytest.raises(ValueError, match="dense cells"):
+        bad.validate(3, case.block_table.shape[1] * 4, 4)
