@@ -143,9 +143,11 @@ class ReleaseOptions:
             the prompt's packed kept blocks).
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
-        per_head: ``{"slack": s}`` (s >= 1) keeps the policy's own count per (layer, head)
-            in ``pack`` mode: every head reserves ``ceil(kept_blocks * s)`` blocks, counts
-            are clipped to that; None (default) gives every head the same count.
+        per_head: ``{"slack": s, "layer_slack": r}`` (1 <= r <= s) keeps the policy's own
+            count per (layer, head) in ``pack`` mode, each at most ``ceil(kept_blocks * s)``
+            blocks' worth; a layer's heads share ``ceil(kept_blocks * r)`` blocks as dense
+            cells (default r = 1: what one count per head holds), counts clipped to fit.
+            None (default) gives every head the same count.
         reserve_growth: admission without thrash (default True): a waiting request is
             admitted only when the free blocks, after its own prompt, still cover what every
             running request will yet allocate up to its ``max_tokens`` (the rest of its
@@ -172,7 +174,7 @@ class ReleaseOptions:
 
     def __post_init__(self) -> None:
         """Checks that relate several release options."""
-        self.per_head_slack()  # raises on a bad per_head object
+        self.per_head_layer_slack()  # raises on a bad per_head object
         g = RELEASE_KEY
         name = self.decode_policy
         if name not in DECODE_POLICIES:
@@ -214,6 +216,10 @@ class ReleaseOptions:
     def per_head_slack(self) -> float | None:
         """The per-head slack, or None when every head keeps the same count."""
         return per_head_slack(self.per_head, f"{RELEASE_KEY}.per_head")
+
+    def per_head_layer_slack(self) -> float | None:
+        """The per-layer slack of per-head counts, or None when they are off."""
+        return per_head_layer_slack(self.per_head, f"{RELEASE_KEY}.per_head")
 
     @property
     def needs_piecewise(self) -> bool:
@@ -288,16 +294,39 @@ class ReleaseOptions:
 def per_head_slack(
     per_head: Mapping[str, Any] | None, name: str, default: float = 1.5
 ) -> float | None:
-    """The ``slack`` of a ``per_head`` option (``{"slack": s}``, s >= 1, else ``default``),
-    or None when the option is off; ValueError names ``name`` for anything else."""
+    """The ``slack`` of a ``per_head`` option (``{"slack": s, "layer_slack": r}``, s >= 1,
+    else ``default``), or None when the option is off; ValueError names ``name`` for
+    anything else."""
     if per_head is None:
         return None
-    if not isinstance(per_head, Mapping) or set(per_head) - {"slack"}:
-        raise ValueError(f'{name} must be an object like {{"slack": 1.5}}, got {per_head!r}')
+    if not isinstance(per_head, Mapping) or set(per_head) - {"slack", "layer_slack"}:
+        raise ValueError(
+            f'{name} must be an object like {{"slack": 1.5, "layer_slack": 1}}, got {per_head!r}'
+        )
     slack = per_head.get("slack", default)
     if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 1.0:
         raise ValueError(f"{name}.slack must be a number >= 1, got {slack!r}")
     return float(slack)
+
+
+def per_head_layer_slack(
+    per_head: Mapping[str, Any] | None, name: str, default_slack: float = 1.5
+) -> float | None:
+    """The ``layer_slack`` of a ``per_head`` option (default 1: a layer's heads together keep
+    the budget's count per head on average), None when the option is off.
+
+    Dense cells make a request hold its largest layer's cells, so this, not ``slack``, sets
+    the blocks held: ``r`` x the budget's. It lies in ``[1, slack]`` (no layer can need more
+    than every head at its cap)."""
+    slack = per_head_slack(per_head, name, default_slack)
+    if slack is None or per_head is None:
+        return None
+    layer = per_head.get("layer_slack", 1.0)
+    if isinstance(layer, bool) or not isinstance(layer, int | float) or not 1.0 <= layer <= slack:
+        raise ValueError(
+            f"{name}.layer_slack must be a number in [1, slack = {slack:g}], got {layer!r}"
+        )
+    return float(layer)
 
 
 @dataclass(frozen=True)
@@ -349,14 +378,16 @@ class StoreOptions:
         policy: ``compact_on`` ``"both"`` only: the policy of stored chunks; it sees no
             question, so a query-agnostic one (default ``self_info``, scored in the engine:
             ``token_scores``).
-        per_head: ``{"slack": s}`` (s >= 1, default 3; with ``compact_on`` ``"save"``):
-            stored chunks keep the policy's own count per (layer, head) (kvzip's ``allocation``
-            ``"ragged"``, Ada-KV, PyramidKV, DuoAttention), each at most ``R = ceil(K x s)``
-            of a chunk's C tokens (whole blocks, below C), K per (layer, head) on average.
-            The store holds the ragged rows (bytes at the budget); a load packs each
-            head's rows first and pads it to ``n x R`` slots, masked per head inside
-            attention (:mod:`lmcompact.compaction.per_head_attention`), so a loaded request
-            holds ``R / C`` of its prefix's blocks, not ``K / C``. None: one count K.
+        per_head: ``{"slack": s, "layer_slack": r}`` (s >= 1, default 3; 1 <= r <= s,
+            default 1; with ``compact_on`` ``"save"``): stored chunks keep the policy's own
+            count per (layer, head) (kvzip's ``allocation`` ``"ragged"``, Ada-KV, PyramidKV,
+            DuoAttention), each at most ``ceil(K x s)`` of a chunk's C tokens (whole blocks,
+            below C), K per (layer, head) on average, and each layer's heads together at most
+            ``R x H`` with ``R = ceil(K x r)`` (whole blocks). The store holds the ragged rows
+            (bytes at the budget); a load lays each layer's heads out as dense cells of ``n x
+            R`` slots (:mod:`lmcompact.compaction.per_head`), attended per head by the
+            connector (:mod:`lmcompact.compaction.per_head_attention`), so a loaded request
+            holds ``R / C`` of its prefix's blocks (``K / C`` at r = 1). None: one count K.
         quantize: ``"int8"`` or ``"fp8"`` (float8 e4m3fn): stored rows are quantized per
             (token, layer, head) row with one float16 scale each
             (:mod:`lmcompact.store.quant`). Redis values take about half the bytes of bf16
@@ -403,7 +434,7 @@ class StoreOptions:
     )
 
     def __post_init__(self) -> None:
-        self.per_head_slack()  # raises on a bad per_head object
+        self.per_head_layer_slack()  # raises on a bad per_head object
         if self.quantize != AUTO:  # fp8 needs torch's float8
             check_quantize(self.quantize, f"{STORE_KEY}.quantize")
         if self.compact_on not in ("both", AUTO) and (
@@ -423,6 +454,10 @@ class StoreOptions:
         """Slack of per-head stored counts, None when every (layer, head) keeps K. Default 3,
         the measured choice (docs/eval/RESULTS.md, "KVzip with per-head stored counts")."""
         return per_head_slack(self.per_head, f"{STORE_KEY}.per_head", default=3.0)
+
+    def per_head_layer_slack(self) -> float | None:
+        """Per-layer slack of per-head stored counts (default 1), None when they are off."""
+        return per_head_layer_slack(self.per_head, f"{STORE_KEY}.per_head", default_slack=3.0)
 
     @property
     def enabled(self) -> bool:
@@ -686,8 +721,9 @@ class ConnectorConfig:
             )
             params["budget"] = self.store_budget
             slack = self.store.per_head_slack()
-            if slack is not None:  # ragged chunks, capped by the slack: their own namespace
+            if slack is not None:  # ragged chunks, capped by the slacks: their own namespace
                 params["per_head_slack"] = slack
+                params["per_head_layer_slack"] = self.store.per_head_layer_slack()
         if self.store.quantize is not None:
             params["quantize"] = self.store.quantize
         return params
@@ -712,11 +748,19 @@ class ConnectorConfig:
 
     def slots_per_chunk(self, block_size: int) -> int:
         """Slots one loaded chunk takes in a request's block row: K, or with
-        ``store.per_head`` the per-head cap ``R = ceil(K x slack)`` in whole blocks, at
-        most ``C - 1`` block (a chunk must leave a hole: attention masks the padding only
-        in rows that have one)."""
-        kept = self.kept_per_chunk(block_size)
+        ``store.per_head`` ``ceil(K x layer_slack)`` in whole blocks (a chunk's layer keeps at
+        most that many cells per head, :func:`lmcompact.layout.paged.dense_cells`), at most
+        ``C - 1`` block (a chunk must leave a hole)."""
+        return self._per_head_slots(block_size, self.store.per_head_layer_slack())
+
+    def head_cap_per_chunk(self, block_size: int) -> int | None:
+        """Most tokens one (layer, head) keeps of a stored chunk with ``store.per_head``:
+        ``ceil(K x slack)`` in whole blocks, at most ``C - 1`` block; None without it."""
         slack = self.store.per_head_slack()
+        return None if slack is None else self._per_head_slots(block_size, slack)
+
+    def _per_head_slots(self, block_size: int, slack: float | None) -> int:
+        kept = self.kept_per_chunk(block_size)
         if slack is None or not self.store_compacts:
             return kept
         chunk = self.store.chunk_size

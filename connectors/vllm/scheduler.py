@@ -513,7 +513,7 @@ class Scheduler:
             sched.req_id,
             count * c,
             count * self.slots,
-            "slots (per-head counts, padded)" if self.config.store.per_head else "kept",
+            "slots (per-head counts, dense cells)" if self.config.store.per_head else "kept",
             " (compacted)" if hole_tokens else "",
         )
         if hole_tokens:

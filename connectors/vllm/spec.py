@@ -54,7 +54,10 @@ class ConnectorSpec:
             chunk keys).
         max_model_len: the engine's longest sequence.
         kept: tokens each (layer, head) keeps of one stored chunk.
-        slots: slots one loaded chunk takes in a block row (``kept``, or the per-head cap).
+        slots: slots one loaded chunk takes in a block row (``kept``, or with per-head
+            counts ``ceil(kept x layer_slack)`` in whole blocks).
+        cap: with ``store.per_head``, most tokens one (layer, head) keeps of a chunk; None
+            without.
     """
 
     config: ConnectorConfig
@@ -65,6 +68,7 @@ class ConnectorSpec:
     max_model_len: int
     kept: int
     slots: int
+    cap: int | None = None
 
     @classmethod
     def build(cls, vllm_config: Any) -> ConnectorSpec:
@@ -108,6 +112,7 @@ class ConnectorSpec:
             max_model_len=max_model_len,
             kept=config.kept_per_chunk(facts.block_size),
             slots=config.slots_per_chunk(facts.block_size),
+            cap=config.head_cap_per_chunk(facts.block_size),
         )
         if config.release is not None:
             spec.log_pack_geometry(spec.planner())
@@ -129,6 +134,7 @@ class ConnectorSpec:
             decode_budget_blocks=release.decode_budget_blocks(bs),
             min_prompt_blocks=max(2, release.min_prompt_tokens // bs),
             per_head_slack=release.per_head_slack(),
+            per_head_layer_slack=release.per_head_layer_slack() or 1.0,
             decode_recent_blocks=release.decode_recent_blocks(bs),
             holes=holes,
         )

@@ -109,7 +109,9 @@ class Worker:
         self.rope = engine.rope_of(vllm_config) if rotates else None
         self.kept = spec.kept
         self.slots = spec.slots
-        self.cap = self.slots if config.store.per_head is not None else None
+        self.cap = spec.cap  # store.per_head: most rows one (layer, head) keeps of a chunk
+        # ... and a layer's heads together: the dense cells one loaded chunk reserves
+        self.layer_cap = None if self.cap is None else self.slots * facts.num_kv_heads
         self.planner = None if config.release is None else spec.planner()  # geometry only
         # made at register: per-head recompute (store.per_head or release.per_head), H2O
         # decode scores, the GPU packer
@@ -721,18 +723,20 @@ class Worker:
         assert self.perhead is not None
         device = next(iter(self.kv_caches.values())).device
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
+        assert self.cap is not None
         width = len(chunks) * self.slots
         bs = self.facts.block_size
         first = chunks[0]
-        layer_bytes = (
+        layer_bytes = (  # head_rows' rows: n x cap per head
             self.facts.num_kv_heads
-            * width
+            * len(chunks)
+            * self.cap
             * (first.keys.shape[1] + first.values.shape[1])
             * first.keys.element_size()
         )
         counts = []
         for lo, hi in layer_runs(self.facts.num_layers, layer_bytes, LOAD_GROUP_BYTES):
-            keys, values, filled = head_rows(chunks, lo, hi, self.slots, device)
+            keys, values, filled = head_rows(chunks, lo, hi, self.cap, device)
             counts.append(filled)
             for name, kv in self.kv_caches.items():
                 layer = self.layer_index[name]
@@ -767,7 +771,12 @@ class Worker:
                 "missing"
                 if chunk is None
                 else chunk_problem(
-                    chunk, self.facts, self.config.store.chunk_size, self.kept, self.cap
+                    chunk,
+                    self.facts,
+                    self.config.store.chunk_size,
+                    self.kept,
+                    self.cap,
+                    self.layer_cap,
                 )
             )
             if problem is not None:
@@ -937,6 +946,7 @@ class Worker:
                 recent_layers=self.sliding_layers,
                 cap=self.cap,
                 fp8=self.fp8_pages(),
+                layer_cap=self.layer_cap,
             )
             elapsed = time.perf_counter() - began
             stored = self.store.put_many(items)
@@ -1124,6 +1134,7 @@ class Worker:
                 recent_layers=self.sliding_layers,
                 start=job.start,
                 fp8=self.fp8_pages(),
+                head_cap=self._planner().head_cap(job.kept, job.num_tokens),
             )
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])

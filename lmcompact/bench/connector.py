@@ -11,8 +11,11 @@ load them (hit TTFT; the best of two is reported). TTFT is the wall time of a on
 generation. ``--profile`` adds a cProfile of one more hit (the host-side functions with the
 most cumulative time; GPU work shows up as the synchronizations that wait for it). Also
 reported:
-stored bytes vs the full KV of the same chunks, and compaction time per 1k tokens (the
-background thread's work: layout decode, window scores, policy, chunk build).
+stored bytes vs the full KV of the same chunks, compaction time per 1k tokens (the
+background thread's work: layout decode, window scores, policy, chunk build), and the
+blocks a repeat of the prompt holds once its hole went back (loaded or packed in place), as
+a fraction of the full prompt's (``blocks_held_fraction``: 1 minus the blocks that request
+released over the prompt's blocks; holes are given back by the ``release`` group).
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ def measure(
     if config is not None:
         extra = json.loads(json.dumps(config))  # a copy the bench may add store options to
         store = extra.setdefault("store", {})
-        store.setdefault("chunk_size", chunk_size)
+        if isinstance(store, dict):  # "store": false runs the release group alone
+            store.setdefault("chunk_size", chunk_size)
         budget = float(extra.get("budget", 0.5))
     else:
         store = {"chunk_size": chunk_size}
@@ -129,7 +133,7 @@ def measure(
         if per_head_slack is not None and policy != "none":
             store["per_head"] = {"slack": per_head_slack}
     dtype, engine = engine_options(shape)
-    if shape is not None:
+    if shape is not None and isinstance(store, dict):
         store.setdefault(
             "cpu_capacity_mb", 16384
         )  # a 16k prompt of the 8B shape is 2 GiB uncompacted
@@ -151,9 +155,11 @@ def measure(
         stats = offline.connector_stats()
         hot_spots = _profiled_hit(llm, prompt) if profile and not decode_tokens else None
         decode: dict[str, float] = {}
+        released = offline.request_counters(llm).get("blocks_released", 0)
         if decode_tokens:
             # a hit, then a prompt never seen (computed), each decoding N more tokens
             long_hit = offline.generate(llm, prompt, max_tokens=1 + decode_tokens)
+            released = offline.request_counters(llm).get("blocks_released", 0) - released
             if profile:  # with --decode-tokens, --profile covers a hit and its decode
                 hot_spots = _profiled_hit(llm, prompt, max_tokens=1 + decode_tokens)
             fresh = _other_prompt(_other_prompt(prompt))
@@ -162,6 +168,9 @@ def measure(
                 "decode_ms_hit": 1000 * (long_hit.seconds - hit_s) / decode_tokens,
                 "decode_ms_recompute": 1000 * (long_miss.seconds - miss.seconds) / decode_tokens,
             }
+        else:  # a hit's hole goes back from the step after its load: give it a second step
+            offline.generate(llm, prompt, max_tokens=2)
+            released = offline.request_counters(llm).get("blocks_released", 0) - released
     finally:
         offline.shutdown(llm)
     exact = policy == "none" or (config is not None and config.get("policy") == "none")
@@ -191,6 +200,7 @@ def measure(
             if stats.get("bytes_full_bf16")
             else None
         ),
+        "blocks_held_fraction": 1.0 - released / -(-len(prompt) // block_size),
         "surprisal_tokens": int(stats.get("surprisal_tokens", 0)),
         "surprisal_s": float(stats.get("surprisal_s", 0.0)),
     }
@@ -305,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 "ttft_hit_s",
                 "speedup",
                 "stored_fraction",
+                "blocks_held_fraction",
                 "compaction_s_per_1k_tokens",
                 "stored_vs_bf16",
                 "recompute_vs_exact",

@@ -96,6 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs (CPU: processes) the model is split across; its KV heads must divide by it",
     )
+    parser.add_argument(
+        "--per-head-policy",
+        default=None,
+        help="also run this per-head policy (e.g. adakv) at each budget, in place with "
+        "release.per_head (dense cells), against --policy in the same invocation",
+    )
+    parser.add_argument(
+        "--per-head-slack",
+        type=float,
+        default=1.5,
+        help="release.per_head slack of the --per-head-policy runs (default 1.5)",
+    )
     parser.add_argument("--json", default=None, help="write results here ('-' for stdout)")
     parser.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -160,13 +172,18 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]], summary: dict[str, Any]) 
         [i + 0.2 for i in x], [summary["decode_ratio"][b] for b in budgets], 0.4, label="decode"
     )
     right.axhline(1.0, color="k", lw=0.8)
-    right.set_xticks(list(x), [f"budget {b}" for b in budgets])
+    right.set_xticks(list(x), [b if " " in b else f"budget {b}" for b in budgets])
     right.set_ylabel("throughput vs baseline")
     right.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def per_head_name(budget: str, policy: str) -> str:
+    """The plan name of ``policy``'s per-head run at ``budget``."""
+    return f"{budget} {policy} per-head"
 
 
 def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
@@ -241,6 +258,16 @@ def run(args: argparse.Namespace) -> int:
 
         options = {"cuda_graphs": args.cuda_graphs}
         plans = budget_plans(args.policy, budgets, args.window, memory, options)
+        if args.per_head_policy is not None:
+            per_head = {**memory, "per_head": {"slack": args.per_head_slack}}
+            plans += [
+                (per_head_name(b, args.per_head_policy), extra)
+                for b, (_, extra) in zip(
+                    budgets,
+                    budget_plans(args.per_head_policy, budgets, args.window, per_head, options)[1:],
+                    strict=True,
+                )
+            ]
         runs = run_plans("serve", workload, plans, Path(scratch), show)
 
     base = runs["baseline"]
@@ -248,24 +275,32 @@ def run(args: argparse.Namespace) -> int:
     def ratio(key: str, b: str) -> float:
         return runs[b][key] / base[key] if base[key] else 0.0
 
+    names = [name for name, _ in plans if name != "baseline"]
     summary: dict[str, Any] = {
-        "e2e_ratio": {b: ratio("output_tokens_per_s", b) for b in budgets},
-        "decode_ratio": {b: ratio("decode_tokens_per_s", b) for b in budgets},
-        "peak_running_ratio": {b: ratio("peak_running", b) for b in budgets},
-        "pack_ms_p50": {b: (runs[b]["memory"] or {}).get("pack_ms_p50") for b in budgets},
-        "pack_ms_first": {b: (runs[b]["memory"] or {}).get("pack_ms_first") for b in budgets},
+        "e2e_ratio": {b: ratio("output_tokens_per_s", b) for b in names},
+        "decode_ratio": {b: ratio("decode_tokens_per_s", b) for b in names},
+        "peak_running_ratio": {b: ratio("peak_running", b) for b in names},
+        "pack_ms_p50": {b: (runs[b]["memory"] or {}).get("pack_ms_p50") for b in names},
+        "pack_ms_first": {b: (runs[b]["memory"] or {}).get("pack_ms_first") for b in names},
         "preemptions": {name: r["preemptions"] for name, r in runs.items()},
     }
+    if args.per_head_policy is not None:  # the per-head run's e2e over the uniform one's
+        summary["per_head_vs_uniform_e2e"] = {
+            b: summary["e2e_ratio"][per_head_name(b, args.per_head_policy)]
+            / summary["e2e_ratio"][b]
+            for b in budgets
+            if summary["e2e_ratio"][b]
+        }
     print(format_table([_row(name, r) for name, r in runs.items()]))
     print(
         format_table(
             [
                 {
-                    "budget": b,
+                    "run": b,
                     "e2e_ratio": summary["e2e_ratio"][b],
                     "decode_ratio": summary["decode_ratio"][b],
                 }
-                for b in budgets
+                for b in names
             ]
         )
     )

@@ -98,7 +98,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--engine vllm, save mode: the connector's store.per_head slack S (stored "
         "chunks keep per-(layer, head) counts, each at most S x the budget's; a loaded "
-        "prefix holds S x the budget's blocks); with kvzip use allocation 'ragged'",
+        "prefix holds the layer slack's); with kvzip use allocation 'ragged'",
+    )
+    parser.add_argument(
+        "--per-head-layer-slack",
+        type=float,
+        default=None,
+        help="--engine vllm, with --per-head-slack: the store.per_head layer slack R (a "
+        "layer's heads keep at most R x the budget's per head together; a loaded prefix "
+        "holds R x the budget's blocks; default: the connector's, 1)",
     )
     parser.add_argument(
         "--policy-params",
@@ -219,6 +227,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             policy_params=args.policy_params,
             chunk_size=args.chunk_size,
             per_head_slack=args.per_head_slack,
+            per_head_layer_slack=args.per_head_layer_slack,
             store_budget=args.store_budget,
             client_scores=args.client_scores,
             store_policy=args.store_policy,

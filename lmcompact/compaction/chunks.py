@@ -50,6 +50,25 @@ def uniform_keep(positions: torch.Tensor, count: int, length: int) -> torch.Tens
     return torch.sort(torch.cat([positions, extra])).values
 
 
+def fit_layer(positions: list[torch.Tensor], limit: int, length: int) -> list[torch.Tensor]:
+    """One layer's per-head kept positions with at most ``limit`` in all (and >= 1 each).
+
+    Heads are cut from the largest down to one common count, the largest that fits (a
+    water level), so heads below it keep all they chose; a cut head keeps its first and last
+    choices (:func:`uniform_keep`).
+    """
+    counts = [p.numel() for p in positions]
+    if sum(counts) <= limit:
+        return positions
+    if limit < len(positions):
+        raise ValueError(f"{len(positions)} heads cannot keep >= 1 token each in {limit}")
+    level = max(
+        (c for c in range(1, max(counts) + 1) if sum(min(n, c) for n in counts) <= limit),
+        default=1,
+    )
+    return [uniform_keep(p, level, length) if p.numel() > level else p for p in positions]
+
+
 def build_chunk(
     per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]],
     lo: int,
@@ -58,12 +77,14 @@ def build_chunk(
     kept: int,
     store_dtype: torch.dtype | None,
     cap: int | None = None,
+    layer_cap: int | None = None,
 ) -> CompactedChunk:
     """Gather kept rows of tokens ``[lo, lo + chunk_size)`` into a :class:`CompactedChunk`.
 
     Rows are (layer, head)-major, kept tokens in original order; ``plan`` None keeps all.
     Every (layer, head) keeps ``kept`` tokens (:func:`uniform_keep`), or with ``cap``
-    (``store.per_head``) the plan's own count, clipped to ``cap``.
+    (``store.per_head``) the plan's own count, clipped to ``cap``, a layer's heads together
+    to ``layer_cap`` (:func:`fit_layer`).
     """
     heads = per_layer[0][0].shape[0]
     keys_out: list[torch.Tensor] = []
@@ -72,6 +93,8 @@ def build_chunk(
     counts = torch.zeros(len(per_layer), heads, dtype=torch.int32)
     for layer, (k, v) in enumerate(per_layer):
         picked = [_head_keep(plan, layer, head, kept, cap, chunk_size) for head in range(heads)]
+        if cap is not None and layer_cap is not None and plan is not None:
+            picked = fit_layer(picked, layer_cap, chunk_size)
         counts[layer] = torch.tensor([p.numel() for p in picked], dtype=torch.int32)
         # one gather per layer for all heads over (H, widest) indices; advanced indexing
         # per head (``k[head, lo + idx]``) took ~8 ms a call on the CPU
@@ -121,19 +144,28 @@ def _gather_rows(
 
 
 def chunk_problem(
-    chunk: CompactedChunk, facts: EngineShape, chunk_size: int, kept: int, cap: int | None = None
+    chunk: CompactedChunk,
+    facts: EngineShape,
+    chunk_size: int,
+    kept: int,
+    cap: int | None = None,
+    layer_cap: int | None = None,
 ) -> str | None:
     """Why a stored ``chunk`` cannot be loaded into this engine, or None.
 
     The codec already refused damaged bytes and foreign formats; this checks that a valid
     chunk fits: layers, heads, head size, dtype, chunk length and kept count (``kept`` for
-    every (layer, head); with ``cap``, per-head counts, each at most ``cap``).
+    every (layer, head); with ``cap``, per-head counts, each at most ``cap``, each layer's
+    at most ``layer_cap`` in all).
     """
     if cap is not None:
         counts = chunk.kept_counts
         if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > cap):
             low, high = int(counts.min()), int(counts.max())
             return f"holding per-head counts in [{low}, {high}], not <= {cap}"
+        widest = int(counts.sum(dim=1).max()) if counts.numel() else 0
+        if layer_cap is not None and widest > layer_cap:
+            return f"holding {widest} rows in one layer, more than its {layer_cap} cells"
     # one count K for every (layer, head), unless per-head counts are allowed
     expected = (
         facts.num_layers,

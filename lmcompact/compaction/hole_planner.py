@@ -44,10 +44,12 @@ scored tokens there)::
     [ sinks | kept region (heavy hitters) | hole ....... | b | recent ... | partial ]
       b is merged into the kept region, then joins the hole
 
-Per-head counts (``per_head_slack`` s): the policy's counts differ per (layer, head), but one
-block row serves every head, so the hole starts after ``kr = min(ceil(kb * s), nb - 1)``
-reserved blocks; each head's kept tokens are packed into its first slots and padded to
-``kr * bs`` (see :mod:`lmcompact.compaction.per_head_attention`).
+Per-head counts (``per_head_slack`` s, ``per_head_layer_slack`` r): the policy's counts differ
+per (layer, head), each at most ``ceil(kb * s)`` blocks' worth, but one block row serves
+every head, so a layer's heads share ``kr = min(ceil(kb * r), nb - 1)`` reserved blocks as
+dense cells, head after head (:mod:`lmcompact.compaction.per_head`), and the hole starts
+after them; the per-head recompute attends to them
+(:mod:`lmcompact.compaction.per_head_attention`).
 
 Sliding-window layers (``HoleState.window_lead``, see :mod:`lmcompact.compaction.holes`): after a
 ``pack`` their kept tokens are the span's most recent ones, so the kept blocks sit at their
@@ -122,9 +124,12 @@ class HolePlanner:
         decode_budget_blocks: full blocks a request may hold outside its hole once its
             prompt is processed; None leaves generation unbounded.
         min_prompt_blocks: prompts with fewer full blocks are not compacted at prefill end.
-        per_head_slack: ``pack`` mode with per-head counts: blocks reserved per head are
-            ``ceil(kept_blocks * slack)`` (at most all but one); None: every head keeps
+        per_head_slack: ``pack`` mode with per-head counts: one head keeps at most
+            ``ceil(kept_blocks * slack)`` blocks' worth of tokens; None: every head keeps
             ``kept_blocks``.
+        per_head_layer_slack: with per-head counts, blocks reserved for a layer's dense
+            cells are ``ceil(kept_blocks * layer_slack)`` (at most all but one), in
+            ``[1, per_head_slack]``.
         decode_recent_blocks: H2O decode: recent blocks kept after a hole that opens during
             generation (the kept region is ``decode_budget_blocks`` minus these); None:
             StreamingLLM decode (the hole opens after the sinks).
@@ -144,6 +149,7 @@ class HolePlanner:
         per_head_slack: float | None = None,
         decode_recent_blocks: int | None = None,
         holes: MutableMapping[str, HoleState] | None = None,
+        per_head_layer_slack: float = 1.0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -162,8 +168,11 @@ class HolePlanner:
         self.prefill_mode = prefill_mode
         self.budget = budget
         self.sink_blocks = sink_blocks
-        if per_head_slack is not None and per_head_slack < 1.0:
-            raise ValueError(f"per_head_slack must be >= 1, got {per_head_slack}")
+        if per_head_slack is not None and not 1.0 <= per_head_layer_slack <= per_head_slack:
+            raise ValueError(
+                f"need 1 <= per_head_layer_slack <= per_head_slack, got {per_head_layer_slack}"
+                f" and {per_head_slack}"
+            )
         if decode_recent_blocks is not None and (
             decode_budget_blocks is None
             or not 0 <= decode_recent_blocks < decode_budget_blocks - sink_blocks
@@ -175,6 +184,7 @@ class HolePlanner:
         self.decode_budget_blocks = decode_budget_blocks
         self.decode_recent_blocks = decode_recent_blocks
         self.per_head_slack = per_head_slack
+        self.per_head_layer_slack = per_head_layer_slack
         self.min_prompt_blocks = max(2, min_prompt_blocks)
         self.holes: MutableMapping[str, HoleState] = {} if holes is None else holes
 
@@ -185,12 +195,22 @@ class HolePlanner:
         return min(prompt_blocks, kept)
 
     def reserved_blocks(self, kept_blocks: int, prompt_blocks: int) -> int:
-        """Blocks every head holds after a pack: ``kept_blocks``, or with per-head counts
-        ``ceil(kept_blocks * slack)``, leaving at least one block of hole."""
+        """Blocks the kept tokens hold after a pack: ``kept_blocks``, or with per-head
+        counts ``ceil(kept_blocks * layer_slack)`` (a layer's dense cells), leaving at least
+        one block of hole."""
         if self.per_head_slack is None:
             return kept_blocks
-        wanted = math.ceil(kept_blocks * self.per_head_slack - 1e-9)
+        wanted = math.ceil(kept_blocks * self.per_head_layer_slack - 1e-9)
         return max(kept_blocks, min(wanted, prompt_blocks - 1))
+
+    def head_cap(self, kept_tokens: int, num_tokens: int) -> int | None:
+        """Most tokens one (layer, head) keeps in a per-head pack of ``kept_tokens`` mean
+        count: ``ceil(kept * slack)``, below ``num_tokens``; None without per-head counts."""
+        if self.per_head_slack is None:
+            return None
+        return max(
+            kept_tokens, min(math.ceil(kept_tokens * self.per_head_slack - 1e-9), num_tokens - 1)
+        )
 
     def prefill_end(
         self, req_id: str, prompt_len: int, first_block: int, step: int, protected: int = 0

@@ -17,9 +17,9 @@ matter to attention. All of a layer's K/V are read (a copy) before anything is w
 a packed write never overwrites a token still to be read.
 
 With per-head counts (``reserved`` given), each (layer, head) keeps the policy's own count,
-clipped to ``reserved`` slots, packed first and zero-padded up to ``reserved``
-(:func:`lmcompact.compaction.per_head.pack_per_head`); attention then masks the padding
-(:mod:`lmcompact.compaction.per_head_attention`).
+clipped to ``head_cap``, a layer's heads together to ``reserved x H``, packed as dense cells
+of slots ``[0, reserved)`` (:func:`lmcompact.compaction.per_head.pack_per_head`); the
+per-head recompute attends to them (:mod:`lmcompact.compaction.per_head_attention`).
 
 Engine-free: torch, the page layout and an lmcompact policy.
 """
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.compaction.chunks import fit_layer
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.compaction.per_head import pack_per_head
@@ -64,6 +65,7 @@ def plan_pack(
     kernel_dtype: torch.dtype | None = None,
     recent_layers: frozenset[int] = frozenset(),
     start: int = 0,
+    head_cap: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Kept token indices per (layer, head), sorted, relative to the span's first token.
 
@@ -74,14 +76,17 @@ def plan_pack(
         window: window queries, or None (score-based policies then see no scores and
             fall back to their score-free behaviour, or raise).
         reserved: None: every list is exactly ``kept`` long. Else each keeps the policy's
-            own count, clipped to ``[1, reserved]``; when clipping brings the mean below
-            ``kept``, the policy is asked for more until the clipped mean is ``kept`` again.
+            own count, clipped to ``[1, head_cap]``, each layer's to ``reserved x H`` in all
+            (its dense cells, :func:`lmcompact.compaction.chunks.fit_layer`); when clipping
+            brings the mean below ``kept``, the policy is asked for more until the clipped
+            mean is ``kept`` again.
         kernel_dtype: dtype of the window-score kernel on CUDA (the cache dtype).
         recent_layers: sliding-window layers: they keep the span's ``kept`` most recent
             tokens whatever the policy chose (:meth:`lmcompact.plan.KeepPlan.with_recent`),
             so slot ``s`` holds token ``num_tokens - kept + s`` and vLLM's window mask by
             key index is the logical one. Not with ``reserved``.
         start: absolute position of the span's first token (window positions are absolute).
+        head_cap: with ``reserved``, most tokens one (layer, head) keeps; None: ``reserved``.
     """
     if recent_layers and reserved is not None:
         raise ValueError("per-head counts (reserved) cannot be combined with recent_layers")
@@ -126,9 +131,15 @@ def plan_pack(
             for layer in layers
         ]
 
+    cap = reserved if head_cap is None else head_cap
+
     def clipped(plan: KeepPlan) -> list[list[torch.Tensor]]:
         return [
-            [_clip(plan.kept[layer][head], reserved, num_tokens) for head in heads]
+            fit_layer(
+                [_clip(plan.kept[layer][head], cap, num_tokens) for head in heads],
+                reserved * num_heads,
+                num_tokens,
+            )
             for layer in layers
         ]
 
@@ -138,9 +149,9 @@ def plan_pack(
     chosen = clipped(plan)
     if mean(chosen) >= kept:
         return chosen
-    # Clipping to the reservation lost tokens: ask for more until the mean is the budget
-    # again (smallest such ask, by bisection; asking for every token fills every head to
-    # ``reserved``, so the search always ends with a mean >= the budget).
+    # Clipping to the caps lost tokens: ask for more until the mean is the budget again
+    # (smallest such ask, by bisection; asking for every token fills every layer's cells,
+    # ``reserved >= kept`` per head, so the search always ends with a mean >= the budget).
     lo, hi, best = kept + 1, num_tokens, None
     for _ in range(MAX_BUDGET_SEARCH):
         if lo > hi:
@@ -178,6 +189,7 @@ def pack_in_place(
     recent_layers: frozenset[int] = frozenset(),
     start: int = 0,
     fp8: Fp8Pages | None = None,
+    head_cap: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """Pack each (layer, head)'s kept tokens of ``[start, start + num_tokens)`` into slots
     ``[start, start + kept)``; slots before ``start`` are neither read nor written.
@@ -190,15 +202,17 @@ def pack_in_place(
         kept: tokens kept per (layer, head); a multiple of the block size, < num_tokens.
         policy: chooses the kept tokens.
         window: window queries for score-based policies.
-        reserved: per-head counts: slots each head holds (block aligned, ``kept <=
-            reserved < num_tokens``); each head keeps its own count, zero-padded up to it.
-            None: every head keeps exactly ``kept``.
+        reserved: per-head counts: slots a layer's dense cells take (block aligned,
+            ``kept <= reserved < num_tokens``); each head keeps its own count (at most
+            ``head_cap``), a layer's heads at most ``reserved x H`` together. None: every
+            head keeps exactly ``kept``.
         recent_layers: sliding-window layers, which keep the most recent ``kept`` tokens
             (see :func:`plan_pack`).
         start: first token of the span (block aligned): blocks before it are shared with
             other requests through vLLM's prefix cache and stay untouched.
         fp8: the caches hold fp8 bytes: the policy scores their decoded numbers, and the
             bytes move untouched. Not with ``reserved``.
+        head_cap: with ``reserved``, most tokens one (layer, head) keeps; None: ``reserved``.
 
     Returns:
         The kept indices per (layer, head); with ``reserved`` their lengths are the counts
@@ -223,7 +237,9 @@ def pack_in_place(
     else:  # bytes stay bytes (gathered and written back as they are); scores read numbers
         scored = [(fp8.keys(i, k), fp8.values(i, v)) for i, (k, v) in enumerate(per_layer)]
         kernel_dtype = torch.float32
-    chosen = plan_pack(scored, policy, kept, window, reserved, kernel_dtype, recent_layers, start)
+    chosen = plan_pack(
+        scored, policy, kept, window, reserved, kernel_dtype, recent_layers, start, head_cap
+    )
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved, per_layer)
         return chosen

@@ -206,7 +206,7 @@ def masked_decode_attention(
 
 
 def layer_runs(num_layers: int, layer_bytes: int, limit: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of layers whose padded rows stay within ``limit`` bytes (one layer
+    """``[lo, hi)`` runs of layers whose per-head rows stay within ``limit`` bytes (one layer
     at least)."""
     step = max(1, limit // max(layer_bytes, 1))
     return [(lo, min(num_layers, lo + step)) for lo in range(0, num_layers, step)]
@@ -216,19 +216,20 @@ def head_rows(
     chunks: Sequence[CompactedChunk],
     lo: int,
     hi: int,
-    slots: int,
+    cap: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layers ``[lo, hi)`` of ``chunks`` as padded per-head rows on ``device``.
+    """Layers ``[lo, hi)`` of ``chunks`` as per-head rows on ``device``, each chunk holding
+    at most ``cap`` rows per (layer, head).
 
     Returns:
-        keys ``(hi - lo, H, n * slots, Dk)``, values ``(hi - lo, H, n * slots, Dv)`` (zeros
+        keys ``(hi - lo, H, n * cap, Dk)``, values ``(hi - lo, H, n * cap, Dv)`` (zeros
         after each head's rows) and counts ``(hi - lo, H)`` int64 on the CPU: each (layer,
         head)'s rows over all chunks.
     """
     first = chunks[0]
     heads = first.num_kv_heads
-    width = len(chunks) * slots
+    width = len(chunks) * cap
     size = (hi - lo, heads, width)
     keys = torch.zeros(*size, first.keys.shape[1], dtype=first.dtype, device=device)
     values = torch.zeros(*size, first.values.shape[1], dtype=first.dtype, device=device)
@@ -237,8 +238,8 @@ def head_rows(
     filled = torch.zeros((hi - lo) * heads, dtype=torch.int64)
     for chunk in chunks:
         counts = chunk.kept_counts.to(torch.int64)
-        if int(counts.max()) > slots:
-            raise ValueError(f"a chunk holds {int(counts.max())} rows for a head, over {slots}")
+        if int(counts.max()) > cap:
+            raise ValueError(f"a chunk holds {int(counts.max())} rows for a head, over {cap}")
         begin = int(counts[:lo].sum())  # rows of the layers before ``lo``
         mine = counts[lo:hi].flatten()
         total = int(mine.sum())

@@ -26,8 +26,9 @@ stretch of a stored context is emptied, which matters when the questions that wi
 reuse it are unknown. Inside a chunk a policy may still rank across layers and heads
 (kvzip's ``allocation="global"``: a global top-k projected onto the one count,
 :mod:`lmcompact.policies.allocation`). With ``store.per_head`` (``cap``) the count may differ
-per (layer, head) within a chunk, up to the cap, the chunk's total staying ``L x H x K`` for
-kvzip's ``allocation="ragged"``; a load then reserves ``n * cap`` slots per head. Keys
+per (layer, head) within a chunk, up to the cap, each layer's heads together up to a layer cap
+(the cells a load reserves), the chunk's total staying ``L x H x K`` for kvzip's
+``allocation="ragged"``. Keys
 loaded from the store before the span are not scored (not in the copied pages): their
 share of each query's softmax is missing, a constant factor per query that changes the
 max aggregation little. Candidates carry absolute
@@ -251,6 +252,7 @@ def compact_job(
     recent_layers: frozenset[int] = frozenset(),
     cap: int | None = None,
     fp8: Fp8Pages | None = None,
+    layer_cap: int | None = None,
 ) -> list[tuple[ChunkKey, CompactedChunk]]:
     """Compact every chunk of ``job``: ``(key, chunk)`` pairs ready for the store.
 
@@ -269,6 +271,8 @@ def compact_job(
             every (layer, head) keeps ``kept_per_chunk``.
         fp8: the pages hold fp8 bytes: the policy scores the numbers they decode to, and
             the chunks keep the bytes (a load writes back what the engine wrote).
+        layer_cap: with ``cap``, most tokens a layer's heads keep of a chunk together (the
+            cells a load reserves; ``CompactionInputs.max_layer_tokens``); None: no bound.
     """
     if kept_per_chunk > chunk_size or kept_per_chunk < 1:
         raise ValueError(f"kept_per_chunk must be in [1, {chunk_size}], got {kept_per_chunk}")
@@ -324,6 +328,7 @@ def compact_job(
             positions=torch.arange(job.start + lo, job.start + hi).expand(heads, -1),
             budget_tokens=kept_per_chunk,
             max_tokens=cap,
+            max_layer_tokens=layer_cap,
             query_positions=query_positions,
             rope=job.rope,
             attention_scale=job.scale,
@@ -347,7 +352,8 @@ def compact_job(
             plan = policy.plan(inputs)
         if plan is not None:
             plan = plan.with_recent(recent_layers, kept_per_chunk)
-        out.append(
-            (key, build_chunk(per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype, cap))
+        chunk = build_chunk(
+            per_layer, lo, chunk_size, plan, kept_per_chunk, store_dtype, cap, layer_cap
         )
+        out.append((key, chunk))
     return out

@@ -52,6 +52,9 @@ class VllmEvalConfig:
         per_head_slack: in ``save`` mode, the connector's ``store.per_head`` slack (stored
             chunks keep per-(layer, head) counts, each at most ``slack`` x the budget's);
             None: one count per (layer, head).
+        per_head_layer_slack: with ``per_head_slack``, the ``store.per_head`` layer slack
+            (a layer's heads together keep at most ``layer_slack`` x the budget's per head:
+            the blocks a loaded prefix holds); None: the connector's default (1).
         store_budget: in ``both`` mode, the stored kept fraction (``store.budget``); cells
             whose budget is not below it are skipped.
         store_policy: in ``both`` mode, the store's policy (``store.policy``); None: the
@@ -78,6 +81,7 @@ class VllmEvalConfig:
     reconstruct: bool = True
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     per_head_slack: float | None = None
+    per_head_layer_slack: float | None = None
     text: str = "pydoc"
     store_budget: float = 0.5
     store_policy: str | None = None
@@ -175,6 +179,8 @@ def connector_extra(
         extra["release"] = {"prefill": "off"}
         if config.per_head_slack is not None:
             store["per_head"] = {"slack": config.per_head_slack}
+            if config.per_head_layer_slack is not None:
+                store["per_head"]["layer_slack"] = config.per_head_layer_slack
     elif mode == "both":
         store.update(compact_on="both", budget=config.store_budget)
         if config.store_policy is not None:
@@ -229,6 +235,8 @@ def policy_label(policy: str, config: VllmEvalConfig, reconstruct: bool, mode: s
         label += f"@chunk{config.chunk_size}"
     if config.per_head_slack is not None and mode == "save":
         label += f"/per_head{config.per_head_slack:g}"
+        if config.per_head_layer_slack is not None:
+            label += f"x{config.per_head_layer_slack:g}"
     if mode == "both":
         label += f"<-{config.store_policy or 'self_info'}@{config.store_budget:g}"
     return label if mode != DEFAULT_MODE else DEFAULT_MODE

@@ -23,8 +23,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     time ``cell_s``, mean seconds per question, and ``store_ok`` (every question hit the
     chunks it should, and every compacting question request was packed or loaded a hole);
     for stored modes ``stored_vs_bf16`` (the store's bytes over the context's full KV in
-    bf16) and for packing modes ``gpu_held`` (the question request's blocks kept on the
-    GPU after its pack, over its prompt's full blocks). Refused cells keep their ``error``."""
+    bf16) and for packing modes and compacted loads ``gpu_held`` (the question request's
+    blocks kept on the GPU after its pack or load, over its prompt's full blocks). Refused
+    cells keep their ``error``."""
     out = []
     for key, members in group_by(rows, KEY).items():
         summary: dict[str, Any] = dict(zip(KEY, key, strict=True))
@@ -45,7 +46,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         held = [
             1 - m["blocks_released"] / m["prompt_blocks"]
             for m in scored
-            if m.get("packs") and m.get("prompt_blocks")
+            if (m.get("packs") or m.get("holes_adopted")) and m.get("prompt_blocks")
         ]
         summary["gpu_held"] = statistics.fmean(held) if held else None
         if errors:

@@ -54,17 +54,22 @@ def key_addresses(
     (:mod:`lmcompact.layout.paged`); tail keys at their slots.
     """
     slots = visible_slots(lengths, batch, head).to(table_row.device)
-    blocks = table_row[slots // block_size].long()
-    offsets = slots % block_size
     heads = torch.full_like(slots, head)
-    if lengths.dense_start is not None and lengths.dense_base is not None:
-        base, kept = int(lengths.dense_base[batch]), int(lengths.kept[batch, head])
-        first = int(lengths.dense_start[batch, head])
-        cells = torch.arange(first, first + kept - base, device=table_row.device)
-        hkv = lengths.num_kv_heads
-        blocks[base:kept], offsets[base:kept], heads[base:kept] = cell_addresses(
-            table_row, cells, block_size, hkv
-        )
+    if lengths.dense_start is None or lengths.dense_base is None:
+        return slots, table_row[slots // block_size].long(), slots % block_size, heads
+    # a head may keep more keys than the cells' slots: only its cells give their addresses
+    base, kept = int(lengths.dense_base[batch]), int(lengths.kept[batch, head])
+    at_slot = torch.ones_like(slots, dtype=torch.bool)
+    at_slot[base:kept] = False
+    blocks = torch.zeros_like(slots)
+    offsets = torch.zeros_like(slots)
+    blocks[at_slot] = table_row[slots[at_slot] // block_size].long()
+    offsets[at_slot] = slots[at_slot] % block_size
+    first = int(lengths.dense_start[batch, head])
+    cells = torch.arange(first, first + kept - base, device=table_row.device)
+    blocks[base:kept], offsets[base:kept], heads[base:kept] = cell_addresses(
+        table_row, cells, block_size, lengths.num_kv_heads
+    )
     return slots, blocks, offsets, heads
 
 

@@ -190,7 +190,7 @@ def random_paged_case(
     )
 
 
-def densify(case: PagedCase, base: int = 0) -> PagedCase:
+def densify(case: PagedCase, base: int = 0, shrink: bool = False) -> PagedCase:
     """The same batch with every head's kept keys past slot ``base`` moved to dense cells.
 
     Each request's kept blocks after the first ``base`` slots are poisoned (NaN), then each
@@ -199,8 +199,11 @@ def densify(case: PagedCase, base: int = 0) -> PagedCase:
     ``case``; a kernel that reads a cell it should not reads NaN.
 
     Args:
-        case: a batch from :func:`random_paged_case`.
+        case: a batch from :func:`random_paged_case` (block-aligned tail starts).
         base: leading slots every head keeps in place (block aligned, ``<= kept``).
+        shrink: also move each request's tail up against its cells (the block table then
+            skips the kept blocks the cells do not fill, and ``tail_start`` and ``seq_len``
+            shrink with it), so a head's count may pass the tail start, as in the engine.
     """
     cache = case.cache.clone()
     key_pool, value_pool = vllm_kv_views(cache) if cache.dim() == 4 else (cache[0], cache[1])
@@ -228,6 +231,9 @@ def densify(case: PagedCase, base: int = 0) -> PagedCase:
             starts[b, h] = first
             first += int(dense[h])
     device = lengths.kept.device
+    tail_start, seq_len = lengths.tail_start, lengths.seq_len
+    if shrink:
+        table, tail_start, seq_len = _tail_after_cells(table, lengths, base, bs, hkv)
     return PagedCase(
         queries=case.queries,
         cache=cache,
@@ -237,10 +243,32 @@ def densify(case: PagedCase, base: int = 0) -> PagedCase:
         cu_seqlens_q=case.cu_seqlens_q,
         lengths=PagedLengths(
             lengths.kept,
-            lengths.tail_start,
-            lengths.seq_len,
+            tail_start,
+            seq_len,
             starts.to(device, lengths.kept.dtype).contiguous(),
             torch.full_like(lengths.tail_start, base),
         ),
         kept_positions=case.kept_positions,
     )
+
+
+def _tail_after_cells(
+    table: torch.Tensor, lengths: PagedLengths, base: int, bs: int, hkv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block table, tail starts and lengths with each request's tail blocks moved up to
+    just after the blocks its dense cells fill."""
+    rows = torch.zeros_like(table)
+    tail_start = lengths.tail_start.clone()
+    seq_len = lengths.seq_len.clone()
+    for b in range(table.shape[0]):
+        old = int(lengths.tail_start[b])
+        if old % bs:
+            raise ValueError(f"shrink needs block-aligned tail starts, got {old}")
+        cells = int((lengths.kept[b].long() - base).sum())
+        new = base + -(-cells // (bs * hkv)) * bs
+        tail_blocks = -(-(int(lengths.seq_len[b]) - old) // bs)
+        row = torch.cat([table[b, : new // bs], table[b, old // bs : old // bs + tail_blocks]])
+        rows[b, : row.numel()] = row
+        tail_start[b] = new
+        seq_len[b] = int(lengths.seq_len[b]) - (old - new)
+    return rows, tail_start, seq_len

@@ -89,19 +89,27 @@ def global_keep_plan(
 
 
 def ragged_keep_mask(
-    scores: torch.Tensor, keep: int, cap: int, valid: torch.Tensor | None = None
+    scores: torch.Tensor,
+    keep: int,
+    cap: int,
+    valid: torch.Tensor | None = None,
+    layer_cap: int | None = None,
 ) -> torch.Tensor:
     """``(L, H, T)`` bool: KVzip's own ragged choice, the global top ``L x H x keep``
-    entries, each (layer, head) keeping at most ``cap`` (its best ``cap`` are eligible).
+    entries, each (layer, head) keeping at most ``cap`` (its best ``cap`` are eligible) and
+    each layer at most ``layer_cap`` (its best ``layer_cap`` eligible entries are).
 
-    kvpress's ``KVzipPress`` (``layerwise=False``) is this with no cap; a layout that pads
-    every head to its largest count (the vLLM store's ``store.per_head``) needs one.
+    kvpress's ``KVzipPress`` (``layerwise=False``) is this with no caps; a layout that holds
+    every head's count (the vLLM store's ``store.per_head``: dense cells per layer) needs
+    them. Taking the global order and skipping a full layer's entries is the same as ranking
+    each layer's eligible entries first, as here.
 
     Args:
         scores: ``(L, H, T)`` float scores (+inf forces a keep; NaN is an error).
         keep: mean tokens per (layer, head); ``L x H x keep`` are kept in all.
         cap: most tokens one (layer, head) keeps (>= ``keep``).
         valid: ``(H, T)`` bool, False for padding (never kept); None: all valid.
+        layer_cap: most tokens one layer keeps (>= ``H x keep``); None: no bound.
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must be (layers, heads, T), got {tuple(scores.shape)}")
@@ -112,6 +120,11 @@ def ragged_keep_mask(
     flat_valid = None
     if valid is not None:
         flat_valid = valid.cpu().expand(layers, heads, length).reshape(layers * heads, length)
+    if layer_cap is not None and layer_cap < heads * keep:
+        raise ValueError(f"layer_cap {layer_cap} is below one layer's share {heads * keep}")
     eligible = topk_mask(rows, cap, flat_valid)  # each row's best ``cap`` (NaN raises)
+    if layer_cap is not None:
+        per_layer = rows.reshape(layers, heads * length)
+        eligible = topk_mask(per_layer, layer_cap, eligible.reshape(layers, -1))
     chosen = topk_mask(rows.reshape(1, -1), layers * heads * keep, eligible.reshape(1, -1))
     return chosen.view(layers, heads, length)

@@ -98,6 +98,8 @@ class CompactionInputs:
             holds per-head counts (the vLLM store's ``store.per_head`` cap); None: every
             (layer, head) keeps the budget's count. Only policies with ragged counts
             read it (kvzip's ``allocation="ragged"``).
+        max_layer_tokens: With ``max_tokens``, most tokens one layer's heads keep
+            together (the cells the caller's dense layout reserves); None: no bound.
         query_positions: ``(W,)`` absolute positions of the window queries (with
             ``window_queries``); the future starts after the largest.
         rope: The model's rotary embedding, when the integration knows it (Expected
@@ -114,6 +116,7 @@ class CompactionInputs:
     punctuation_mask: torch.Tensor | None = None
     budget_tokens: int | None = None
     max_tokens: int | None = None
+    max_layer_tokens: int | None = None
     query_positions: torch.Tensor | None = None
     rope: Rope | None = None
     attention_scale: float | None = None

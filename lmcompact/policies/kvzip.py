@@ -95,8 +95,9 @@ class KVzip(ScorePolicy):
     else what it was given plus the tokens most other heads were given. With ``share``
     every head keeps the tokens most heads were given. Same total kept, same memory.
     ``allocation="ragged"`` is KVzip's own choice (kvpress's ``KVzipPress``): the global
-    top-k with ragged counts, each (layer, head) capped at ``inputs.max_tokens`` (the vLLM
-    store's ``store.per_head`` cap; without one every head keeps its count, as ``"head"``).
+    top-k with ragged counts, each (layer, head) capped at ``inputs.max_tokens`` and each
+    layer at ``inputs.max_layer_tokens`` (the vLLM store's ``store.per_head`` caps; without
+    them every head keeps its count, as ``"head"``).
 
     Shapes: context_scores ``(H, T)`` in ``[0, 1]`` -> scores ``(H, T)``, sinks +inf.
 
@@ -175,5 +176,10 @@ class KVzip(ScorePolicy):
             keep = self.keep_count(inputs)
             cap = max(keep, min(inputs.max_tokens or keep, inputs.num_candidates))
             stacked = torch.stack([s.detach() for s in scores])
-            return KeepPlan.from_masks(ragged_keep_mask(stacked, keep, cap, inputs.valid))
+            layer_cap = inputs.max_layer_tokens
+            if layer_cap is not None:
+                layer_cap = max(layer_cap, keep * inputs.num_kv_heads)
+            return KeepPlan.from_masks(
+                ragged_keep_mask(stacked, keep, cap, inputs.valid, layer_cap)
+            )
         return global_keep_plan(scores, self.keep_count(inputs), inputs.valid, self.share)

@@ -15,7 +15,7 @@ from lmcompact.attention.scores import window_scores as window_scores_reference
 from lmcompact.kernels import dispatch
 from lmcompact.kernels.moves import compaction_moves
 from lmcompact.kernels.reference_paged import move_slots_reference, paged_attention_reference
-from lmcompact.kernels.synthetic import random_paged_case
+from lmcompact.kernels.synthetic import densify, random_paged_case
 from lmcompact.layout.paged import vllm_kv_views
 from tests.gpu.errors import rel_err
 
@@ -82,6 +82,61 @@ def test_paged_attention_matches_reference(
     assert rel_err(got, want) < TOL[dtype]
     assert rel_err(mass, want_mass) < TOL[dtype]
     assert float((mass - want_mass).abs().max()) < 0.05 * len(q_len) * max(q_len)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("base", [0, 32])
+def test_dense_cells_match_reference_over_the_original_slots(
+    dtype: torch.dtype, mode: str, base: int
+) -> None:
+    """Heads' kept keys as dense cells with the tail moved up against them (heads keeping
+    more keys than the slots before the tail): the Triton kernel over the cells equals the
+    reference over the padded slots they came from."""
+    batch, hkv, bs = 3, 8, 16
+    prefix = [1024, 512, 256]
+    kept = ragged_kept(batch, hkv, 256, seed=7 + base)
+    grow = [4, 2, 1]  # longer prefixes keep more; every head keeps the base slots
+    kept = [
+        [min(p, g * k + base) for k in row] for p, g, row in zip(prefix, grow, kept, strict=True)
+    ]
+    tail, q_len = ([5, 33, 70], [1, 1, 1]) if mode == "decode" else ([40, 100, 90], [40, 17, 90])
+    case = random_paged_case(
+        kept,
+        prefix,
+        tail,
+        q_len,
+        group=4,
+        head_dim=128,
+        block_size=bs,
+        dtype=dtype,
+        device="cuda",
+        seed=base,
+    )
+    dense = densify(case, base, shrink=True)
+    assert bool((dense.lengths.tail_start < prefix_tensor(prefix)).all())  # blocks went back
+    want, _ = paged_attention_reference(
+        case.queries,
+        case.key_pool,
+        case.value_pool,
+        case.block_table,
+        case.cu_seqlens_q,
+        case.lengths,
+    )
+    got, _ = dispatch.paged_attention(
+        dense.queries,
+        dense.key_pool,
+        dense.value_pool,
+        dense.block_table,
+        dense.cu_seqlens_q,
+        dense.lengths,
+    )
+    assert not torch.isnan(got).any()
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def prefix_tensor(prefix: list[int]) -> torch.Tensor:
+    return torch.tensor(prefix, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,6 +7,7 @@ import torch
 
 from lmcompact.compaction.pack import WindowQueries, pack_in_place, plan_pack
 from lmcompact.compaction.page_layout import make_layout
+from lmcompact.compaction.per_head import dense_rows
 from lmcompact.policies import make_policy
 
 BS, H, D = 8, 2, 4
@@ -100,8 +101,9 @@ def test_unaligned_or_empty_packs_raise(num_tokens: int, kept: int) -> None:
 
 
 @pytest.mark.parametrize("layout_name", ["head_major_kt", "token_major"])
-def test_per_head_pack_keeps_own_counts_padded_with_zeros(layout_name: str) -> None:
-    """PyramidKV gives layers different counts; each is packed first, zeros up to reserved."""
+def test_per_head_pack_keeps_own_counts_as_dense_cells(layout_name: str) -> None:
+    """PyramidKV gives layers different counts; a layer's heads are packed as dense cells of
+    the reserved slots, head after head, zeros after the last."""
     layout = make_layout(layout_name, BS)
     layers = [paged(12, 4), paged(12, 5), paged(12, 6)]
     row = [9, 3, 5, 0, 11, 2, 7, 1, 4]  # 8 full blocks compacted, block 8 tail
@@ -117,16 +119,19 @@ def test_per_head_pack_keeps_own_counts_padded_with_zeros(layout_name: str) -> N
     chosen = pack_in_place(layers, layout, row, 8 * BS, kept, policy, window, reserved=reserved)
     counts = torch.tensor([[k.numel() for k in heads] for heads in chosen])
     assert counts.unique().numel() > 1  # the layers really differ
-    assert int(counts.min()) >= 1 and int(counts.max()) <= reserved
+    assert int(counts.min()) >= 1 and int(counts.sum(dim=1).max()) <= reserved * H
     for layer, kv in enumerate(layers):
         keys, values = layout.read(kv, row, 0, 9 * BS)
         old_keys, old_values = before[layer]
+        rows_k = dense_rows(keys[:, :reserved], counts[layer], BS)
+        rows_v = dense_rows(values[:, :reserved], counts[layer], BS)
         for head in range(H):
             index = chosen[layer][head]
-            n = index.numel()
-            assert torch.equal(keys[head, :n], old_keys[head, index])
-            assert torch.equal(values[head, :n], old_values[head, index])
-            assert not keys[head, n:reserved].any() and not values[head, n:reserved].any()
+            assert torch.equal(rows_k[head], old_keys[head, index])
+            assert torch.equal(rows_v[head], old_values[head, index])
+        used = int(counts[layer].sum())
+        cells = keys[:, :reserved].reshape(H, 3, BS, D).transpose(0, 1).reshape(-1, D)
+        assert not cells[used:].any()  # cells after the last head's are zero
         assert torch.equal(keys[:, reserved:], old_keys[:, reserved:])  # hole and tail
 
 

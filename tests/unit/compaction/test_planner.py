@@ -45,24 +45,39 @@ def test_uniform_pack_reserves_exactly_the_kept_blocks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt_blocks", "budget", "slack", "kept", "reserved"),
+    ("prompt_blocks", "budget", "layer_slack", "kept", "reserved"),
     [
         (16, 0.25, 1.5, 4, 6),  # ceil(4 * 1.5) = 6
         (16, 0.25, 1.3, 4, 6),  # ceil(5.2) = 6
-        (16, 0.25, 1.0, 4, 4),  # no slack: uniform footprint
+        (16, 0.25, 1.0, 4, 4),  # dense cells at the mean: the uniform footprint
         (16, 0.75, 1.5, 12, 15),  # ceil(18) clipped: at least one block of hole
         (10, 0.5, 1.2, 5, 6),
     ],
 )
-def test_per_head_pack_reserves_slack_blocks(
-    prompt_blocks: int, budget: float, slack: float, kept: int, reserved: int
+def test_per_head_pack_reserves_the_layer_slack_blocks(
+    prompt_blocks: int, budget: float, layer_slack: float, kept: int, reserved: int
 ) -> None:
-    planner = HolePlanner(BS, PrefillMode.PACK, budget=budget, per_head_slack=slack)
+    planner = HolePlanner(
+        BS, PrefillMode.PACK, budget=budget, per_head_slack=2.0, per_head_layer_slack=layer_slack
+    )
     pack = planner.prefill_end("r", prompt_blocks * BS + 3, first_block=2, step=0)
     assert pack is not None
     assert (pack.kept, pack.reserved) == (kept * BS, reserved * BS)
     hole = planner.visible("r", 1)
     assert hole is not None and (hole.start, hole.stop) == (reserved, prompt_blocks)
+    # one head may keep up to slack x the mean, below the span
+    assert planner.head_cap(kept * BS, prompt_blocks * BS) == min(
+        2 * kept * BS, prompt_blocks * BS - 1
+    )
+
+
+def test_per_head_layer_slack_lies_between_one_and_the_head_slack() -> None:
+    assert HolePlanner(BS, PrefillMode.PACK, budget=0.25).head_cap(64, 256) is None
+    for bad in (0.5, 2.5):
+        with pytest.raises(ValueError, match="per_head_layer_slack"):
+            HolePlanner(
+                BS, PrefillMode.PACK, budget=0.25, per_head_slack=2.0, per_head_layer_slack=bad
+            )
 
 
 def test_blocks_mode_keeps_sinks_and_recent_blocks_without_pack() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmcompact.attention.scores import window_scores
-from lmcompact.compaction.chunks import chunk_problem
+from lmcompact.compaction.chunks import chunk_problem, fit_layer
 from lmcompact.compaction.page_layout import CpuPageLayout
 from lmcompact.compaction.save_job import (
     SaveJob,
@@ -135,6 +135,27 @@ def test_ragged_job_keeps_per_head_counts_within_the_cap_and_the_budget_on_avera
     ragged_chunk = next(chunk for _, chunk in ragged if chunk.uniform_count() is None)
     assert chunk_problem(ragged_chunk, _Facts(), CHUNK, 16) is not None
     assert chunk_problem(uniform[0][1], _Facts(), CHUNK, 16, cap=32) is None
+    # a layer cap at the mean: every layer's heads keep H x K together, heads still differ
+    heads = ragged[0][1].num_kv_heads
+    dense = compact_job(job, layout, policy, CHUNK, 16, cap=32, layer_cap=16 * heads)
+    for _, chunk in dense:
+        assert chunk.kept_counts.sum(dim=1).tolist() == [16 * heads] * LAYERS
+        assert chunk_problem(chunk, _Facts(), CHUNK, 16, cap=32, layer_cap=16 * heads) is None
+    widest = max(int(c.kept_counts.sum(dim=1).max()) for _, c in ragged)
+    assert widest > 16 * heads  # the uncapped chunks: a loader with the layer cap refuses them
+    loose = next(c for _, c in ragged if int(c.kept_counts.sum(dim=1).max()) == widest)
+    assert "cells" in str(chunk_problem(loose, _Facts(), CHUNK, 16, cap=32, layer_cap=16 * heads))
+
+
+def test_fit_layer_cuts_the_largest_heads_to_one_level() -> None:
+    heads = [torch.arange(n) * 2 for n in (3, 10, 7, 1)]  # 21 kept in all
+    assert fit_layer(heads, 21, 40) is heads
+    fitted = fit_layer(heads, 14, 40)  # level 5: 3 + 5 + 5 + 1
+    assert [p.numel() for p in fitted] == [3, 5, 5, 1]
+    assert fitted[1].tolist() == [0, 2, 14, 16, 18]  # first and last choices of the cut head
+    assert torch.equal(fitted[0], heads[0])
+    with pytest.raises(ValueError, match="cannot keep >= 1"):
+        fit_layer(heads, 3, 40)
 
 
 class _Facts:

@@ -75,24 +75,31 @@ def check_dense() -> None:
     """Dense per-head cells (lmcompact.layout.paged): prefill and decode kernels over
     :func:`densify`'d batches equal the reference over the original slots."""
     cases = [
-        # kept, prefix, tail, q_len, base, layout, splits
-        ([[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 3], 0, "vllm", 2),
-        ([[8, 4, 13], [16, 7, 30]], [16, 32], [5, 9], [5, 9], 4, "flash", None),
+        # kept, prefix, tail, q_len, base, layout, splits, shrink (tail after the cells)
+        ([[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 3], 0, "vllm", 2, False),
+        ([[8, 4, 13], [16, 7, 30]], [16, 32], [5, 9], [5, 9], 4, "flash", None, False),
+        ([[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 3], 0, "vllm", 2, True),
+        ([[8, 4, 13], [16, 7, 30]], [16, 32], [5, 9], [5, 9], 4, "flash", None, True),
     ]
-    for i, (kept, prefix, tail, q_len, base, layout, splits) in enumerate(cases):
+    for i, (kept, prefix, tail, q_len, base, layout, splits, shrink) in enumerate(cases):
         case = random_paged_case(
             kept, prefix, tail, q_len, group=2, head_dim=32, block_size=4, layout=layout, seed=i
         )
-        dense = densify(case, base)
-        args = (case.block_table, case.cu_seqlens_q)
+        dense = densify(case, base, shrink)
         want, _ = paged_attention_reference(
-            case.queries, case.key_pool, case.value_pool, *args, case.lengths
+            case.queries,
+            case.key_pool,
+            case.value_pool,
+            case.block_table,
+            case.cu_seqlens_q,
+            case.lengths,
         )
         got, _ = paged_attention.paged_attention(
             dense.queries,
             dense.key_pool,
             dense.value_pool,
-            *args,
+            dense.block_table,
+            dense.cu_seqlens_q,
             dense.lengths,
             num_splits=splits,
             block_n=16,
@@ -101,7 +108,7 @@ def check_dense() -> None:
     decode = random_paged_case(
         [[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 1], group=2, head_dim=32, block_size=4
     )
-    dense = densify(decode, 0)
+    dense = densify(decode, 0, shrink=True)
     want, _ = paged_attention_reference(
         decode.queries,
         decode.key_pool,

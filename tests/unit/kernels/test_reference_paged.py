@@ -96,18 +96,33 @@ def test_lengths_validation_names_the_problem() -> None:
 
 @pytest.mark.parametrize("layout", ["vllm", "flash"])
 @pytest.mark.parametrize("base", [0, 4])
-def test_dense_cells_give_the_same_attention_as_padded_slots(layout: str, base: int) -> None:
+@pytest.mark.parametrize("shrink", [False, True], ids=["tail-in-place", "tail-after-cells"])
+def test_dense_cells_give_the_same_attention_as_padded_slots(
+    layout: str, base: int, shrink: bool
+) -> None:
     kept = [[5, 4, 13], [16, 7, 30]]  # a head keeping more than the others' mean
     case = random_paged_case(
         kept, [16, 32], [3, 9], [1, 3], group=2, head_dim=8, block_size=4, layout=layout
     )
-    dense = densify(case, base)
-    args = (case.block_table, case.cu_seqlens_q)
+    dense = densify(case, base, shrink)
+    if shrink:  # the tail moved up: head 2 keeps more keys than the slots before it
+        assert dense.lengths.tail_start.tolist() == [8, 20]  # 22 and 53 cells of 12 a block
+        assert bool((dense.lengths.kept.max(dim=1).values > dense.lengths.tail_start).all())
     want, _ = paged_attention_reference(
-        case.queries, case.key_pool, case.value_pool, *args, case.lengths
+        case.queries,
+        case.key_pool,
+        case.value_pool,
+        case.block_table,
+        case.cu_seqlens_q,
+        case.lengths,
     )
     got, _ = paged_attention_reference(
-        dense.queries, dense.key_pool, dense.value_pool, *args, dense.lengths
+        dense.queries,
+        dense.key_pool,
+        dense.value_pool,
+        dense.block_table,
+        dense.cu_seqlens_q,
+        dense.lengths,
     )
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

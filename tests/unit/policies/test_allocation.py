@@ -151,6 +151,31 @@ def test_ragged_mask_is_the_global_top_k_with_a_cap_per_row() -> None:
         ragged_keep_mask(scores, 3, 2)
 
 
+def test_ragged_mask_with_a_layer_cap_is_the_greedy_global_order() -> None:
+    from lmcompact.policies.allocation import ragged_keep_mask
+
+    torch.manual_seed(3)
+    scores = torch.rand(3, 4, 40)
+    scores[0] += 1.0  # layer 0 outranks the others: uncapped, it takes most of the budget
+    free = ragged_keep_mask(scores, 5, 20)
+    assert int(free[0].sum()) > 4 * 5 * 1.25
+    capped = ragged_keep_mask(scores, 5, 20, layer_cap=25)
+    assert int(capped.sum()) == 3 * 4 * 5 and capped.sum(dim=(1, 2)).tolist()[0] == 25
+    assert int(capped.sum(dim=-1).max()) <= 20
+    # the same as walking the global order and skipping full rows and layers
+    want = torch.zeros_like(capped)
+    rows, layers = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    for flat in torch.argsort(scores.flatten(), descending=True).tolist():
+        layer, head, token = flat // 160, (flat // 40) % 4, flat % 40
+        if rows[layer, head] < 20 and layers[layer] < 25 and int(want.sum()) < 60:
+            want[layer, head, token] = True
+            rows[layer, head] += 1
+            layers[layer] += 1
+    assert torch.equal(capped, want)
+    with pytest.raises(ValueError, match="below one layer's share"):
+        ragged_keep_mask(scores, 5, 20, layer_cap=19)
+
+
 def test_kvzip_ragged_plan_reads_the_cap_from_the_inputs() -> None:
     scores = _two_busy_heads_and_an_idle_one()[0]
     policy = make_policy("kvzip", budget=2 / 12, n_sink=0, kernel_size=1, allocation="ragged")

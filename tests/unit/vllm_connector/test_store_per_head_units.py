@@ -18,17 +18,30 @@ def _config(**store: object) -> ConnectorConfig:
     )
 
 
-def test_slots_per_chunk_is_the_cap_in_whole_blocks_below_the_chunk() -> None:
+def test_slots_per_chunk_is_the_layer_cap_and_the_head_cap_the_slack() -> None:
     assert _config(chunk_size=256).slots_per_chunk(32) == 64  # off: K
-    assert _config(chunk_size=256, per_head={"slack": 2}).slots_per_chunk(32) == 128
-    assert _config(chunk_size=256, per_head={"slack": 1.2}).slots_per_chunk(32) == 96
-    assert _config(chunk_size=256, per_head={}).slots_per_chunk(32) == 192  # default 3
-    # a cap of the whole chunk would leave no hole (nothing masks the padding): C - 1 block
-    assert _config(chunk_size=256, per_head={"slack": 8}).slots_per_chunk(32) == 224
+    assert _config(chunk_size=256).head_cap_per_chunk(32) is None
+    # dense cells: a loaded chunk takes K x layer_slack slots (default 1), whatever the slack
+    assert _config(chunk_size=256, per_head={"slack": 2}).slots_per_chunk(32) == 64
+    assert _config(chunk_size=256, per_head={}).slots_per_chunk(32) == 64
+    layered = _config(chunk_size=256, per_head={"slack": 2, "layer_slack": 1.2})
+    assert layered.slots_per_chunk(32) == 96  # ceil(76.8) in whole blocks
+    # one head keeps at most K x slack of a chunk, in whole blocks
+    assert _config(chunk_size=256, per_head={"slack": 2}).head_cap_per_chunk(32) == 128
+    assert _config(chunk_size=256, per_head={"slack": 1.2}).head_cap_per_chunk(32) == 96
+    assert _config(chunk_size=256, per_head={}).head_cap_per_chunk(32) == 192  # default 3
+    # a cap of the whole chunk would leave no hole: C - 1 block
+    assert _config(chunk_size=256, per_head={"slack": 8}).head_cap_per_chunk(32) == 224
+    whole = _config(chunk_size=256, per_head={"slack": 8, "layer_slack": 8})
+    assert whole.slots_per_chunk(32) == 224
     assert _config(chunk_size=256, per_head={"slack": 2}).per_head_counts
-    # ragged chunks never share a namespace with uniform ones or another cap's
-    spaces = [_config(**s).namespace_params() for s in ({}, {"per_head": {"slack": 2}})]
+    # ragged chunks never share a namespace with uniform ones or other caps'
+    spaces = [
+        _config(**s).namespace_params()
+        for s in ({}, {"per_head": {"slack": 2}}, {"per_head": {"slack": 2, "layer_slack": 1.5}})
+    ]
     assert "per_head_slack" not in spaces[0] and spaces[1]["per_head_slack"] == 2.0
+    assert spaces[1]["per_head_layer_slack"] == 1.0 and spaces[2]["per_head_layer_slack"] == 1.5
 
 
 @pytest.mark.parametrize(
@@ -39,6 +52,19 @@ def test_slots_per_chunk_is_the_cap_in_whole_blocks_below_the_chunk() -> None:
             "slack must be",
         ),
         ({"policy": "kvzip", "budget": 0.25, "store": {"per_head": {"width": 2}}}, "like"),
+        (
+            {"policy": "kvzip", "budget": 0.25, "store": {"per_head": {"layer_slack": 4}}},
+            r"layer_slack must be a number in \[1, slack = 3\]",
+        ),
+        (
+            {
+                "policy": "adakv",
+                "budget": 0.25,
+                "store": False,
+                "release": {"prefill": "pack", "per_head": {"slack": 1.5, "layer_slack": 0.9}},
+            },
+            r"release\.per_head\.layer_slack",
+        ),
         ({"policy": "kvzip", "budget": 0.25, "store": {"per_head": 2}}, r"store\.per_head"),
         ({"policy": "none", "store": {"per_head": {"slack": 2}}}, "compacting policy"),
         (
