@@ -54,7 +54,7 @@ def plot(figures: dict[str, Any], path: Path) -> None:
     bars = held.bar(labels, [figures["blocks_held_fraction"][k] for k in labels])
     held.bar_label(bars, fmt="%.3f", fontsize=8)
     held.set_ylabel("blocks held / full prompt's")
-    held.set_title("GPU blocks a loaded or packed request holds")
+    held.set_title("KV blocks a loaded or packed request holds")
     ms = [figures["decode_ms_hit"][k] or 0.0 for k in labels]
     bars = decode.bar(labels, ms)
     decode.bar_label(bars, fmt="%.3g", fontsize=8)

@@ -14,6 +14,6 @@ modules its KV-cache tensors, block ids and step facts:
 * :mod:`~lmcompact.compaction.pack` (reference) and :mod:`~lmcompact.compaction.device_pack`
   (GPU): packing kept tokens in place;
 * :mod:`~lmcompact.compaction.per_head` and :mod:`~lmcompact.compaction.per_head_attention`:
-  per-head counts, padded and masked;
+  per-head counts as dense cells, and their attention;
 * :mod:`~lmcompact.compaction.heavy_hitters`: H2O decode scores and merges.
 """

@@ -217,7 +217,7 @@ def stored_nbytes(chunk: CompactedChunk, quantize: str | None) -> int:
 
 
 LOAD_GROUP_BYTES = 256 << 20
-"""Largest run of loaded chunks (or, with per-head counts, of padded layer rows) gathered
+"""Largest run of loaded chunks (or, with per-head counts, of per-head layer rows) gathered
 on the cache's device before it is written."""
 
 
