@@ -30,7 +30,14 @@ from typing import Any
 
 from lmcompact.bench.child import child_main
 from lmcompact.bench.shapes import LLAMA_SHAPES
-from lmcompact.bench.sweep import bench_command, budget_plans, parse_budgets, publish, run_plans
+from lmcompact.bench.sweep import (
+    Plan,
+    bench_command,
+    budget_plans,
+    parse_budgets,
+    publish,
+    run_plans,
+)
 from lmcompact.results import format_table
 
 NAME = "serve"
@@ -186,6 +193,21 @@ def per_head_name(budget: str, policy: str) -> str:
     return f"{budget} {policy} per-head"
 
 
+def per_head_plans(
+    policy: str,
+    slack: float,
+    budgets: list[str],
+    window: int,
+    memory: dict[str, Any],
+    options: dict[str, Any],
+) -> list[Plan]:
+    """``policy`` packed in place with per-head counts (``release.per_head``, dense cells at
+    the default layer slack) at each budget, named by :func:`per_head_name`."""
+    per_head = {**memory, "per_head": {"slack": slack}}
+    plans = budget_plans(policy, budgets, window, per_head, options)[1:]  # no second baseline
+    return [(per_head_name(b, policy), extra) for b, (_, extra) in zip(budgets, plans, strict=True)]
+
+
 def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
     m = r["memory"] or {}
     return {
@@ -259,15 +281,9 @@ def run(args: argparse.Namespace) -> int:
         options = {"cuda_graphs": args.cuda_graphs}
         plans = budget_plans(args.policy, budgets, args.window, memory, options)
         if args.per_head_policy is not None:
-            per_head = {**memory, "per_head": {"slack": args.per_head_slack}}
-            plans += [
-                (per_head_name(b, args.per_head_policy), extra)
-                for b, (_, extra) in zip(
-                    budgets,
-                    budget_plans(args.per_head_policy, budgets, args.window, per_head, options)[1:],
-                    strict=True,
-                )
-            ]
+            plans += per_head_plans(
+                args.per_head_policy, args.per_head_slack, budgets, args.window, memory, options
+            )
         runs = run_plans("serve", workload, plans, Path(scratch), show)
 
     base = runs["baseline"]

@@ -37,6 +37,20 @@ def test_budget_plans_baseline_first_then_one_pack_per_budget() -> None:
     assert config.release is not None and not config.store.enabled
 
 
+def test_per_head_plans_pack_in_place_with_dense_per_head_counts() -> None:
+    from connectors.vllm.config import ConnectorConfig
+    from lmcompact.bench.serve import per_head_plans
+
+    memory = {"prefill": "pack"}
+    plans = per_head_plans("adakv", 1.5, ["0.25"], 16, memory, {"cuda_graphs": "full"})
+    assert [name for name, _ in plans] == ["0.25 adakv per-head"]
+    extra = plans[0][1]
+    assert extra["release"] == {"prefill": "pack", "per_head": {"slack": 1.5}}
+    assert memory == {"prefill": "pack"}  # the uniform plans' group is left alone
+    config = ConnectorConfig.from_extra(extra)
+    assert config.release is not None and config.release.per_head_layer_slack() == 1.0
+
+
 def test_bench_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["lmcompact", "bench", "serve", "--quick"])
     assert bench_command("serve") == "lmcompact bench serve --quick"
