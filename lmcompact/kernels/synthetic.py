@@ -47,6 +47,20 @@ class PagedCase:
     lengths: PagedLengths
     kept_positions: list[list[torch.Tensor]]
 
+    def attention_args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PagedLengths]:
+        """The positional arguments of paged attention over this batch (queries, pools,
+        block table, query offsets, lengths)."""
+        return (
+            self.queries,
+            self.key_pool,
+            self.value_pool,
+            self.block_table,
+            self.cu_seqlens_q,
+            self.lengths,
+        )
+
     def live_tokens(self) -> int:
         """Keys visible to each request's last query, summed over requests and heads."""
         return int(self.lengths.visible().sum())

@@ -115,22 +115,8 @@ def test_dense_cells_match_reference_over_the_original_slots(
     )
     dense = densify(case, base, shrink=True)
     assert bool((dense.lengths.tail_start < prefix_tensor(prefix)).all())  # blocks went back
-    want, _ = paged_attention_reference(
-        case.queries,
-        case.key_pool,
-        case.value_pool,
-        case.block_table,
-        case.cu_seqlens_q,
-        case.lengths,
-    )
-    got, _ = dispatch.paged_attention(
-        dense.queries,
-        dense.key_pool,
-        dense.value_pool,
-        dense.block_table,
-        dense.cu_seqlens_q,
-        dense.lengths,
-    )
+    want, _ = paged_attention_reference(*case.attention_args())
+    got, _ = dispatch.paged_attention(*dense.attention_args())
     assert not torch.isnan(got).any()
     assert rel_err(got, want) < TOL[dtype]
 

@@ -1,13 +1,14 @@
-"""Per-head kept counts in the real vLLM CPU engine (Ada-KV over SnapKV scores).
+"""Per-head kept counts in the real vLLM CPU engine (Ada-KV and PyramidKV over SnapKV scores).
 
-One engine run: two prompts are packed at prefill end with each (layer, head)'s own count
-(``release.per_head``) as dense cells in the blocks a uniform count would hold, the hole
-blocks go back to the pool, and generation continues. For
-every decode step of one layer the test keeps vLLM's own attention output (which attends
-to the zero padding), the output after the connector's recompute, the queries and a copy
-of the request's pages. Afterwards, attention computed directly from those pages with each
-head's own count (dense softmax, no paged code) must equal the recomputed rows and differ
-from vLLM's own rows: the comparison can fail either way.
+One engine run per policy: two prompts are packed at prefill end with each (layer, head)'s
+own count (``release.per_head``) as dense cells of the reserved blocks (for Ada-KV the blocks
+a uniform count would hold), the hole blocks go back to the pool, and generation continues.
+For every decode step of one layer the test keeps vLLM's own attention output (which reads
+the cells as if they were every head's slots), the output after the connector's recompute,
+the queries and a copy of the request's pages. Afterwards, attention computed directly from
+those pages with each head's own count (the cells read back, dense softmax, no paged code)
+must equal the recomputed rows and differ from vLLM's own rows: the comparison can fail
+either way.
 """
 
 from __future__ import annotations
@@ -37,13 +38,22 @@ pytestmark = pytest.mark.integration
 PROMPTS = {"a": tiny_prompt_ids(520, seed=21), "b": tiny_prompt_ids(460, seed=22)}
 NEW_TOKENS = 6
 LAYER = 1
-EXTRA = {
-    "policy": "adakv",
-    "budget": 0.25,
-    "window": 16,
-    "store": False,
-    "release": {"prefill": "pack", "per_head": {"slack": 1.5}},
+PER_HEAD = {
+    # per-layer budgets summing to the mean: dense cells at the uniform footprint
+    "adakv": {"slack": 1.5},
+    # one count per layer, lower layers above the mean: their cells need a layer slack
+    "pyramidkv": {"slack": 2, "layer_slack": 1.5},
 }
+
+
+def extra(policy: str) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "budget": 0.25,
+        "window": 16,
+        "store": False,
+        "release": {"prefill": "pack", "per_head": PER_HEAD[policy]},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +61,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
-def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: str) -> None:
+@pytest.mark.parametrize("policy", sorted(PER_HEAD))
+def test_per_head_counts_free_blocks_and_recompute_masked_attention(
+    tiny_model: str, policy: str
+) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    with release_engine(tiny_model, EXTRA, num_blocks=64, max_num_batched_tokens=1024) as llm:
+    slack = float(PER_HEAD[policy]["slack"])
+    layer_slack = float(PER_HEAD[policy].get("layer_slack", 1.0))
+    config = extra(policy)
+    with release_engine(tiny_model, config, num_blocks=64, max_num_batched_tokens=1024) as llm:
         manager = kv_manager(llm)
         start_free = manager.block_pool.get_num_free_blocks()
         connector = get_kv_transfer_group()
@@ -86,11 +102,15 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
 
     assert {r: len(t) for r, t in tokens.items()} == {r: NEW_TOKENS for r in PROMPTS}
     assert end_free == start_free and final.ok and final.referenced == 0
+    reserved: dict[str, int] = {}
     for rid, prompt in PROMPTS.items():
         full_blocks = len(prompt) // BLOCK_SIZE
         kept_blocks = max(1, round(0.25 * full_blocks))
-        reserved_blocks = kept_blocks  # dense cells at layer_slack 1: the uniform footprint
-        head_cap = math.ceil(kept_blocks * BLOCK_SIZE * 1.5)
+        # dense cells: a layer's heads share ceil(kept x layer_slack) blocks (Ada-KV at 1:
+        # the uniform footprint)
+        reserved_blocks = min(math.ceil(kept_blocks * layer_slack), full_blocks - 1)
+        reserved[rid] = reserved_blocks
+        head_cap = math.ceil(kept_blocks * BLOCK_SIZE * slack)
         c = counts[rid]
         # counts differ per (layer, head), each within its cap, each layer's within its
         # cells, and average the budget
@@ -105,10 +125,7 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
         for blocks, start, length in held[rid][1:]:
             assert start == reserved_blocks and length == full_blocks - reserved_blocks
             assert blocks <= reserved_blocks + tail_blocks  # the hole's blocks went back
-    assert released == sum(
-        len(p) // BLOCK_SIZE - max(1, round(0.25 * (len(p) // BLOCK_SIZE)))
-        for p in PROMPTS.values()
-    )
+    assert released == sum(len(p) // BLOCK_SIZE - reserved[r] for r, p in PROMPTS.items())
 
     calls = recorder.calls
     assert len({c.req_id for c in calls}) == 2 and len(calls) >= 2 * (NEW_TOKENS - 1)
@@ -130,5 +147,6 @@ def test_per_head_counts_free_blocks_and_recompute_masked_attention(tiny_model: 
         )
         torch.testing.assert_close(call.out, paged, rtol=1e-4, atol=1e-5)
         gap_vllm = max(gap_vllm, float((call.vllm_out - want).abs().max()))
-    # vLLM's own rows attend to the zero padding: the recompute changed them
+    # vLLM's own rows read the cells as if they were every head's slots: the recompute
+    # changed them
     assert gap_vllm > 1e-3

@@ -86,21 +86,9 @@ def check_dense() -> None:
             kept, prefix, tail, q_len, group=2, head_dim=32, block_size=4, layout=layout, seed=i
         )
         dense = densify(case, base, shrink)
-        want, _ = paged_attention_reference(
-            case.queries,
-            case.key_pool,
-            case.value_pool,
-            case.block_table,
-            case.cu_seqlens_q,
-            case.lengths,
-        )
+        want, _ = paged_attention_reference(*case.attention_args())
         got, _ = paged_attention.paged_attention(
-            dense.queries,
-            dense.key_pool,
-            dense.value_pool,
-            dense.block_table,
-            dense.cu_seqlens_q,
-            dense.lengths,
+            *dense.attention_args(),
             num_splits=splits,
             block_n=16,
         )
@@ -109,21 +97,9 @@ def check_dense() -> None:
         [[5, 4, 13], [16, 7, 30]], [16, 32], [3, 9], [1, 1], group=2, head_dim=32, block_size=4
     )
     dense = densify(decode, 0, shrink=True)
-    want, _ = paged_attention_reference(
-        decode.queries,
-        decode.key_pool,
-        decode.value_pool,
-        decode.block_table,
-        decode.cu_seqlens_q,
-        decode.lengths,
-    )
+    want, _ = paged_attention_reference(*decode.attention_args())
     got = paged_attention.paged_decode_attention(
-        dense.queries,
-        dense.key_pool,
-        dense.value_pool,
-        dense.block_table,
-        dense.cu_seqlens_q,
-        dense.lengths,
+        *dense.attention_args(),
         scale=32**-0.5,
         num_splits=2,
     )
@@ -149,21 +125,9 @@ def check_decode() -> None:
         case = random_paged_case(
             kept, prefix, tail, [1] * len(prefix), group=group, head_dim=32, block_size=bs, seed=i
         )
-        want, _ = paged_attention_reference(
-            case.queries,
-            case.key_pool,
-            case.value_pool,
-            case.block_table,
-            case.cu_seqlens_q,
-            case.lengths,
-        )
+        want, _ = paged_attention_reference(*case.attention_args())
         got = paged_attention.paged_decode_attention(
-            case.queries,
-            case.key_pool,
-            case.value_pool,
-            case.block_table,
-            case.cu_seqlens_q,
-            case.lengths,
+            *case.attention_args(),
             scale=32**-0.5,
             num_splits=splits,
         )

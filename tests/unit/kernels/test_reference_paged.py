@@ -26,12 +26,7 @@ def test_paged_reference_matches_ragged_reference(layout: str, index: int) -> No
         kept, prefix, tail, q_len, group=3, head_dim=16, block_size=4, layout=layout, seed=index
     )
     out, mass = paged_attention_reference(
-        case.queries,
-        case.key_pool,
-        case.value_pool,
-        case.block_table,
-        case.cu_seqlens_q,
-        case.lengths,
+        *case.attention_args(),
         return_key_mass=True,
     )
     assert mass is not None
@@ -56,12 +51,7 @@ def test_paged_reference_matches_ragged_reference(layout: str, index: int) -> No
 def test_mass_is_zero_outside_visible_slots() -> None:
     case = random_paged_case([[3, 8]], [8], [5], [2], group=2, head_dim=8, block_size=4)
     _, mass = paged_attention_reference(
-        case.queries,
-        case.key_pool,
-        case.value_pool,
-        case.block_table,
-        case.cu_seqlens_q,
-        case.lengths,
+        *case.attention_args(),
         return_key_mass=True,
     )
     assert mass is not None
@@ -108,22 +98,8 @@ def test_dense_cells_give_the_same_attention_as_padded_slots(
     if shrink:  # the tail moved up: head 2 keeps more keys than the slots before it
         assert dense.lengths.tail_start.tolist() == [8, 20]  # 22 and 53 cells of 12 a block
         assert bool((dense.lengths.kept.max(dim=1).values > dense.lengths.tail_start).all())
-    want, _ = paged_attention_reference(
-        case.queries,
-        case.key_pool,
-        case.value_pool,
-        case.block_table,
-        case.cu_seqlens_q,
-        case.lengths,
-    )
-    got, _ = paged_attention_reference(
-        dense.queries,
-        dense.key_pool,
-        dense.value_pool,
-        dense.block_table,
-        dense.cu_seqlens_q,
-        dense.lengths,
-    )
+    want, _ = paged_attention_reference(*case.attention_args())
+    got, _ = paged_attention_reference(*dense.attention_args())
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert dense.lengths.dense
