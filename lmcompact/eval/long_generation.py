@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ForcedRun", "forced_logprobs", "full_generation", "main"]
+__all__ = ["ForcedRun", "decode_cache", "forced_logprobs", "full_generation", "main"]
 
 POLICIES: dict[str, dict[str, Any]] = {
     "streaming_llm": {},  # "recent": sinks + the most recent tokens
@@ -89,6 +89,21 @@ def forced_logprobs(
     return stacked.gather(1, tokens[:, None])[:, 0], stacked.argmax(dim=-1) == tokens
 
 
+def decode_cache(model: Any, policy: str, budget: int, prompt_len: int, interval: int) -> Any:
+    """A :class:`~lmcompact.hf.cache.CompactingCache` whose ``policy`` keeps ``budget``
+    tokens per (layer, head), re-planned every ``interval`` fed tokens; the prompt is
+    compacted to the budget too when it is longer (else kept whole)."""
+    from lmcompact.hf.cache import CompactingCache
+    from lmcompact.policies import make_policy
+
+    params = dict(POLICIES.get(policy, {}))
+    prefill: float | int = budget if budget < prompt_len else 1.0
+    instance = make_policy(policy, budget=prefill, **params)
+    return CompactingCache(
+        model, instance, decode_slack=interval - 1, decode_budget=budget, window_size=None
+    )
+
+
 def run_policy(
     model: Any,
     prompt: torch.Tensor,
@@ -99,16 +114,7 @@ def run_policy(
     interval: int,
 ) -> ForcedRun:
     """One :class:`ForcedRun`: ``policy`` keeps ``budget`` tokens per (layer, head)."""
-    from lmcompact.hf.cache import CompactingCache
-    from lmcompact.policies import make_policy
-
-    params = dict(POLICIES.get(policy, {}))
-    # the prompt is compacted to the budget too when it is longer (else kept whole)
-    prefill: float | int = budget if budget < prompt.shape[1] else 1.0
-    instance = make_policy(policy, budget=prefill, **params)
-    cache = CompactingCache(
-        model, instance, decode_slack=interval - 1, decode_budget=budget, window_size=None
-    )
+    cache = decode_cache(model, policy, budget, prompt.shape[1], interval)
     start = time.perf_counter()
     logprobs, agree = forced_logprobs(model, cache, prompt, tokens, interval)
     return ForcedRun(
