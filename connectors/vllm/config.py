@@ -223,9 +223,10 @@ class ReleaseOptions:
 
     @property
     def needs_piecewise(self) -> bool:
-        """Per-head counts and H2O decode work inside every attention call, decode
-        included, so full CUDA graphs cannot run them."""
-        return self.per_head is not None or self.merges
+        """H2O decode merges work inside every attention call on the host, decode included,
+        so full CUDA graphs cannot run them (per-head counts can: their attention reads
+        device tables, :mod:`lmcompact.compaction.per_head_tables`)."""
+        return self.merges
 
     def prefill_mode(self, policy: str, compacts: bool) -> PrefillMode:
         """The prefill mode for the connector's ``policy`` (``compacts``: a compacting
@@ -502,7 +503,7 @@ class ConnectorConfig:
             the runner's input buffers (vLLM 0.26's V2 GPU runner; checked on the H200,
             faster: docs/benchmarks/serve-h200.md). Not the default because vLLM asks for
             the graph mode before the model is known: sliding-window models need piecewise
-            graphs (refused with a message); per-head counts and H2O decode get them.
+            graphs (refused with a message); H2O decode merges get them.
         store: the ``"store"`` group (:class:`StoreOptions`).
         release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
     """
@@ -623,10 +624,8 @@ class ConnectorConfig:
     @property
     def needs_piecewise(self) -> bool:
         """Whether vLLM must run piecewise CUDA graphs (see ``cuda_graphs``)."""
-        return (
-            self.cuda_graphs != "full"
-            or self.store.per_head is not None  # the per-head recompute runs in decode too
-            or (self.release is not None and self.release.needs_piecewise)
+        return self.cuda_graphs != "full" or (
+            self.release is not None and self.release.needs_piecewise
         )
 
     @property

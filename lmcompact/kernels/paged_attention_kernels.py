@@ -29,11 +29,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV: tl.constexpr):
-    kept = tl.load(kept_ptr + b * HKV + h).to(tl.int32)
-    tail = tl.load(tail_ptr + b).to(tl.int32)
+def _visible_range(kept_ptr, tail_ptr, seq_ptr, e, b, h, HKV: tl.constexpr):
+    """Kept keys and tail start of entry ``e``; key length of batch row ``b``."""
+    kept = tl.load(kept_ptr + e * HKV + h).to(tl.int32)
+    tail = tl.load(tail_ptr + e).to(tl.int32)
     seq = tl.load(seq_ptr + b).to(tl.int32)
     return kept, tail, seq
+
+
+@triton.jit
+def _row_entry(table_ptr, entry_ptr, b, stride_tb, LOOKUP: tl.constexpr):
+    """The lengths entry of batch row ``b``: ``b`` itself, or with ``LOOKUP`` the entry the
+    row's first block maps to (-1: not a per-head row, the program does nothing)."""
+    if LOOKUP:
+        first = tl.load(table_ptr + b.to(tl.int64) * stride_tb).to(tl.int64)
+        e = tl.load(entry_ptr + first).to(tl.int32)
+    else:
+        e = b
+    return e
 
 
 @triton.jit
@@ -50,6 +63,7 @@ def attn_split_kernel(
     seq_ptr,
     dense_start_ptr,
     dense_base_ptr,
+    entry_ptr,
     out_ptr,
     lse_ptr,
     scale_log2,
@@ -79,6 +93,7 @@ def attn_split_kernel(
     QUANT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DENSE: tl.constexpr,
+    LOOKUP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -88,8 +103,9 @@ def attn_split_kernel(
     q_lo = tl.load(cu_q_ptr + b).to(tl.int32)
     q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_lo
     n_rows = q_len * GROUP
-    if pid_m * BLOCK_M < n_rows:
-        kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV)
+    e = _row_entry(table_ptr, entry_ptr, b, stride_tb, LOOKUP)
+    if (pid_m * BLOCK_M < n_rows) & (e >= 0):
+        kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, e, b, h, HKV)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         qi = rows // GROUP
@@ -113,8 +129,8 @@ def attn_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         row_base = table_ptr + b.to(tl.int64) * stride_tb
         if DENSE:  # kept keys past `base` sit in the head's dense cells (layout.paged)
-            base = tl.load(dense_base_ptr + b).to(tl.int32)
-            first_cell = tl.load(dense_start_ptr + b * HKV + h).to(tl.int32)
+            base = tl.load(dense_base_ptr + e).to(tl.int32)
+            first_cell = tl.load(dense_start_ptr + e * HKV + h).to(tl.int32)
         for c0 in range(c_lo, c_hi, BLOCK_N):
             c = c0 + tl.arange(0, BLOCK_N)
             c_ok = c < c_hi
@@ -200,6 +216,78 @@ def merge_splits_kernel(
 
 
 @triton.jit
+def merge_request_splits_kernel(
+    part_ptr,
+    part_lse_ptr,
+    out_ptr,
+    table_ptr,
+    entry_ptr,
+    cu_q_ptr,
+    head_dim,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """:func:`merge_splits_kernel` on :func:`attn_split_kernel`'s grid with ``LOOKUP``: only
+    the rows of per-head requests are merged and written (the rest of ``out`` is vLLM's)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    q_lo = tl.load(cu_q_ptr + b).to(tl.int32)
+    n_rows = (tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_lo) * GROUP
+    e = _row_entry(table_ptr, entry_ptr, b, stride_tb, True)
+    if (pid_m * BLOCK_M < n_rows) & (e >= 0):
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        token = (q_lo + rows // GROUP).to(tl.int64)
+        qhead = h * GROUP + rows % GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(NUM_SPLITS):
+            lse = tl.load(
+                part_lse_ptr + s * stride_ls + token * stride_lt + qhead,
+                mask=row_ok,
+                other=float("-inf"),
+            )
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            part = tl.load(
+                part_ptr
+                + s * stride_ps
+                + token[:, None] * stride_pt
+                + (qhead * stride_ph)[:, None]
+                + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + part * w[:, None]
+            total = total * alpha + w
+            m = m_new
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + (qhead * stride_oh)[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
 def key_mass_kernel(
     q_ptr,
     k_ptr,
@@ -233,7 +321,7 @@ def key_mass_kernel(
     pid_n = tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
-    kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, b, h, HKV)
+    kept, tail, seq = _visible_range(kept_ptr, tail_ptr, seq_ptr, b, b, h, HKV)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = c < kept + seq - tail
     if pid_n * BLOCK_N < kept + seq - tail:
@@ -300,6 +388,7 @@ def launch_split_attention(
     precision: str,
     num_warps: int,
     num_stages: int,
+    entries: torch.Tensor | None = None,
 ) -> None:
     """Launch :func:`attn_split_kernel` over ``grid`` and merge its splits into ``out``.
 
@@ -309,7 +398,10 @@ def launch_split_attention(
     is ``split_len`` keys (host lengths); an int: each program derives its split
     from the lengths on the device (a fixed grid, CUDA-graph safe). ``key_scales`` /
     ``value_scales`` ``(num_blocks, block_size, Hkv)`` switch on int8 pools; ``precision``
-    is ``tl.dot``'s input precision (``"ieee"`` or ``"tf32"``).
+    is ``tl.dot``'s input precision (``"ieee"`` or ``"tf32"``). ``entries`` (one int per
+    physical block, -1 for none) switches on the lookup: batch row ``b`` reads entry
+    ``entries[block_table[b, 0]]`` of the lengths (rows without one are left untouched in
+    ``out``; see :mod:`lmcompact.kernels.entry_attention`).
     """
     total_q, hq, d = out.shape
     if num_splits == 1:
@@ -338,6 +430,7 @@ def launch_split_attention(
         lengths.seq_len,
         lengths.kept if dense_start is None else dense_start,  # a stand-in unless DENSE
         lengths.seq_len if dense_base is None else dense_base,
+        lengths.seq_len if entries is None else entries,  # a stand-in unless LOOKUP
         part,
         part_lse,
         scale * LOG2E,
@@ -361,10 +454,33 @@ def launch_split_attention(
         QUANT=quant,
         NUM_SPLITS=0 if device_splits is None else device_splits,
         DENSE=dense_start is not None,
+        LOOKUP=entries is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and entries is not None:
+        merge_request_splits_kernel[grid[:2]](
+            part,
+            part_lse,
+            out,
+            block_table,
+            entries,
+            cu_seqlens_q,
+            d,
+            *part.stride()[:3],
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            block_table.stride(0),
+            HKV=key_pool.shape[2],
+            GROUP=hq // key_pool.shape[2],
+            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_M=block_m,
+            NUM_SPLITS=num_splits,
+            num_warps=4,
+        )
+    elif num_splits > 1:
         merge_splits(part, part_lse, out, lse, num_splits)
 
 

@@ -3,7 +3,8 @@
 * ``observe_layer`` takes the Triton window-score kernel on CUDA (bf16 / fp16 cache): its
   mass must match the float32 reference on the same keys and queries.
 * ``PerHeadAttention`` on vLLM 0.26's token-major pages reads them in place through the
-  Triton paged kernel: its rows must match ``masked_decode_attention`` (torch reference).
+  Triton paged kernel (rows picked on the host, or found by the kernel from device tables):
+  its rows must match ``masked_decode_attention`` (torch reference).
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def test_observe_layer_kernel_matches_reference(dtype: torch.dtype, hkv: int, gr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_perhead_recompute_on_token_major_pages_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_perhead_recompute_on_token_major_pages_matches_reference(
+    dtype: torch.dtype, in_place: bool
+) -> None:
+    """Host-picked rows, and the graph-safe launch over device tables the connector uses
+    on CUDA (``attend_in_place``), both against the masked torch reference."""
     bs, h, g, d = 16, 4, 2, 64
     layout = make_layout("token_major", bs)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -63,6 +69,8 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(dtype: torch.d
         "c": torch.tensor([[32, 3, 1, 20]]),
     }
     perhead = PerHeadAttention(layout, {"l0": kv}, {"l0": 0}, {"l0": d**-0.5}, d)
+    if in_place:
+        perhead.attend_in_place(capacity=4, max_keys=8 * bs)
     for rid in rows:
         perhead.add(rid, rows[rid][0], counts[rid], 2 * bs)
     perhead.begin_step(holes, forgotten=[])
@@ -76,6 +84,7 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(dtype: torch.d
         query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32, device="cuda"),
         block_table=edited[0].cuda(),
         seq_lens=edited[1].cuda(),
+        max_query_len=3,
     )
     query = torch.randn(4, h * g * d, device="cuda", generator=gen).to(dtype)
     output = torch.zeros(4, h * g * d, device="cuda", dtype=dtype)

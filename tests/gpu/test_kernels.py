@@ -121,6 +121,83 @@ def test_dense_cells_match_reference_over_the_original_slots(
     assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entry_attention_replayed_from_a_cuda_graph(dtype: torch.dtype) -> None:
+    """The per-head launch of the vLLM connector (lmcompact.kernels.entry_attention) is
+    captured once with no per-head request in its tables, then replayed after the tables
+    (not the graph) turn requests 0 and 2 on: their rows equal the reference over the
+    original slots, request 1's rows stay as the engine wrote them."""
+    from lmcompact.kernels.entry_attention import EntryLengths, attend_entries, entry_splits
+
+    batch, hkv, bs = 3, 8, 16
+    prefix = [1024, 512, 256]
+    kept = [
+        [min(p, 2 * k + 32) for k in row]
+        for p, row in zip(prefix, ragged_kept(batch, hkv, 256, 3), strict=True)
+    ]
+    case = random_paged_case(
+        kept,
+        prefix,
+        [5, 33, 70],
+        [1, 1, 1],
+        group=4,
+        head_dim=128,
+        block_size=bs,
+        dtype=dtype,
+        device="cuda",
+        seed=5,
+    )
+    dense = densify(case, 32, shrink=True)
+    queries, key_pool, value_pool, table, cu_q, lengths = dense.attention_args()
+    assert lengths.dense_start is not None and lengths.dense_base is not None
+    capacity = 4
+    tables = EntryLengths(
+        torch.full((key_pool.shape[0],), -1, dtype=torch.int32, device="cuda"),
+        torch.zeros(capacity, hkv, dtype=torch.int32, device="cuda"),
+        torch.zeros(capacity, hkv, dtype=torch.int32, device="cuda"),
+        torch.zeros(capacity, dtype=torch.int32, device="cuda"),
+        torch.zeros(capacity, dtype=torch.int32, device="cuda"),
+    )
+    engine_rows = torch.randn_like(queries)
+    out = engine_rows.clone()
+    splits = entry_splits(batch, 1, hkv, queries.shape[1], 128, batch, 4096, queries.device)
+
+    def launch() -> None:
+        attend_entries(
+            queries,
+            key_pool,
+            value_pool,
+            table,
+            cu_q,
+            lengths.seq_len,
+            tables,
+            out,
+            scale=128**-0.5,
+            num_reqs=batch,
+            max_q_len=1,
+            num_splits=splits,
+        )
+
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    assert torch.equal(out, engine_rows)  # empty tables: nothing written
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for entry, b in ((3, 0), (1, 2)):  # after capture, as the connector's sync does
+        tables.kept[entry] = lengths.kept[b].to(torch.int32)
+        tables.cells[entry] = lengths.dense_start[b].to(torch.int32)
+        tables.tail_start[entry] = int(lengths.tail_start[b])
+        tables.base[entry] = int(lengths.dense_base[b])
+        tables.entries[int(table[b, 0])] = entry
+    graph.replay()
+    torch.cuda.synchronize()
+    want, _ = paged_attention_reference(*case.attention_args(), scale=128**-0.5)
+    for b in (0, 2):
+        assert rel_err(out[b : b + 1], want[b : b + 1]) < TOL[dtype]
+    assert torch.equal(out[1], engine_rows[1])
+
+
 def prefix_tensor(prefix: list[int]) -> torch.Tensor:
     return torch.tensor(prefix, device="cuda")
 

@@ -16,6 +16,11 @@ import torch
 
 from lmcompact.attention.scores import window_scores as window_scores_reference
 from lmcompact.kernels import compaction_copy, paged_attention, window_scores
+from lmcompact.kernels.entry_attention import (
+    EntryLengths,
+    attend_entries,
+    entry_attention_reference,
+)
 from lmcompact.kernels.moves import compaction_moves, plan_defragment
 from lmcompact.kernels.reference_paged import (
     move_slots_reference,
@@ -104,6 +109,71 @@ def check_dense() -> None:
         num_splits=2,
     )
     check("dense cells decode kernel", got, want)
+
+
+def check_entries() -> None:
+    """Rows found by block lookup (lmcompact.kernels.entry_attention): request 1 of a dense
+    batch is entry 2 of a table whose other entries are junk; request 0 has none, so its
+    output rows must stay as the engine wrote them."""
+    for i, (q_len, splits) in enumerate([([1, 1], 1), ([1, 1], 4), ([3, 9], 1), ([3, 9], 2)]):
+        case = random_paged_case(
+            [[5, 4, 13], [16, 7, 30]],
+            [16, 32],
+            [3, 9],
+            q_len,
+            group=2,
+            head_dim=32,
+            block_size=4,
+            layout="vllm",
+            seed=10 + i,
+        )
+        dense = densify(case, 4, shrink=True)
+        queries, key_pool, value_pool, table, cu_q, lengths = dense.attention_args()
+        assert lengths.dense_start is not None and lengths.dense_base is not None
+        junk = torch.full((3, lengths.kept.shape[1]), 99, dtype=torch.int32)
+        kept, cells = junk.clone(), junk.clone()
+        kept[2], cells[2] = lengths.kept[1], lengths.dense_start[1]
+        tail = torch.tensor([99, 99, int(lengths.tail_start[1])], dtype=torch.int32)
+        base = torch.tensor([99, 99, int(lengths.dense_base[1])], dtype=torch.int32)
+        entries = torch.full((key_pool.shape[0],), -1, dtype=torch.int32)
+        entries[int(table[1, 0])] = 2
+        tables = EntryLengths(entries, kept, cells, tail, base)
+        engine_rows = torch.full_like(queries, 7.0)
+        got = engine_rows.clone()
+        attend_entries(
+            queries,
+            key_pool,
+            value_pool,
+            table,
+            cu_q,
+            lengths.seq_len,
+            tables,
+            got,
+            scale=32**-0.5,
+            num_reqs=2,
+            max_q_len=max(q_len),
+            num_splits=splits,
+        )
+        want, _ = paged_attention_reference(*case.attention_args(), scale=32**-0.5)
+        mine = slice(int(cu_q[1]), int(cu_q[2]))
+        check(f"entry rows case {i}", got[mine], want[mine])
+        check(
+            f"entry rows left alone case {i}", got[: int(cu_q[1])], engine_rows[: int(cu_q[1])], 0.0
+        )
+        ref = engine_rows.clone()
+        entry_attention_reference(
+            queries,
+            key_pool,
+            value_pool,
+            table,
+            cu_q,
+            lengths.seq_len,
+            tables,
+            ref,
+            scale=32**-0.5,
+            num_reqs=2,
+        )
+        check(f"entry reference case {i}", ref, got)
 
 
 def _int8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +296,7 @@ if __name__ == "__main__":
     check_attention()
     check_decode()
     check_dense()
+    check_entries()
     check_window_scores()
     check_moves()
     sys.exit(1 if FAILURES else 0)

@@ -17,9 +17,19 @@ def test_default_is_piecewise_and_full_is_opt_in() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "release", [{"per_head": {"slack": 1.5}}, {"decode_policy": "h2o", "decode_budget_tokens": 64}]
-)
+def test_per_head_counts_keep_full_graphs() -> None:
+    """Their attention reads device tables (lmcompact.compaction.per_head_tables)."""
+    release = {"policy": "adakv", "budget": 0.25, "cuda_graphs": "full"}
+    assert not LMCompactConnector.requires_piecewise_for_cudagraph(
+        {**release, "release": {"per_head": {"slack": 1.5}}}
+    )
+    store = {"policy": "kvzip", "budget": 0.25, "cuda_graphs": "full"}
+    assert not LMCompactConnector.requires_piecewise_for_cudagraph(
+        {**store, "store": {"per_head": {"slack": 3}}}
+    )
+
+
+@pytest.mark.parametrize("release", [{"decode_policy": "h2o", "decode_budget_tokens": 64}])
 def test_modes_working_inside_attention_calls_stay_piecewise(release: dict[str, object]) -> None:
     extra = {"policy": "snapkv", "budget": 0.25, "cuda_graphs": "full", "release": release}
     assert LMCompactConnector.requires_piecewise_for_cudagraph(extra)
