@@ -273,14 +273,25 @@ def assert_same_decode_up_to_ties(full: Steps, eager: Steps) -> None:
         return
 
 
-def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
+PACK_ADAKV: dict[str, Any] = {
+    **PACK_SNAPKV,
+    "policy": "adakv",
+    "release": {"prefill": "pack", "per_head": {"slack": 1.5}},
+}
+"""In-place Ada-KV packs: per-head counts as dense cells, attended from device tables."""
+
+
+@pytest.mark.parametrize("packs", ["snapkv", "adakv"])
+def test_full_graphs_decode_like_eager_after_packs(model_dir: Path, packs: str) -> None:
+    """Full decode graphs (holes cut in the runner's buffers; Ada-KV's per-head rows from
+    the launch captured in them) decode like eager steps (per-layer cuts and launches)."""
     from vllm import SamplingParams
 
     prompts = [prompt(10 + i)[: PROMPT - 97 * i] for i in range(4)]  # 4 lengths, 4 holes
     params = SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=5
     )
-    extra = PACK_SNAPKV
+    extra = PACK_SNAPKV if packs == "snapkv" else PACK_ADAKV
     runs: dict[str, list[Steps]] = {}
     # full graphs over buffer cuts against eager steps over per-layer metadata cuts
     for name in ("full", "eager"):
@@ -289,6 +300,10 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path) -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             runs[name] = [_steps(o.outputs[0]) for o in outs]
             stats = dict(_worker().stats)
+            perhead = _worker().perhead
+            if packs == "adakv":
+                assert perhead is not None and perhead.tables is not None
+                assert perhead.stats["requests"] == 4 and perhead.stats["calls"] > 0
         print(name, [[t for t, _ in r] for r in runs[name]], stats.get("rows_cut_in_buffers"))
         assert (stats["rows_cut_in_buffers"] >= 4 * 10) == (name == "full")
     for full, eager in zip(runs["full"], runs["eager"], strict=True):
@@ -317,7 +332,10 @@ def masked_logprobs(model: Any, ids: list[int], compaction: Any) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1)
 
 
-def test_store_per_head_load_matches_masked_reference_with_graphs(model_dir: Path) -> None:
+@pytest.mark.parametrize("graphs", ["full", "piecewise"])
+def test_store_per_head_load_matches_masked_reference_with_graphs(
+    model_dir: Path, graphs: str
+) -> None:
     """A prompt saved with per-head counts and loaded by its repeat (CUDA graphs on, the
     per-head recompute on the Triton kernel): the first two tokens' log-probabilities
     match the float32 reference that computes the tail and the decode step over each
@@ -338,7 +356,8 @@ def test_store_per_head_load_matches_masked_reference_with_graphs(model_dir: Pat
     ids = prompt(5)
     Worker._fetch = recording_fetch  # type: ignore[method-assign]
     try:
-        with engine(model_dir, STORE_PER_HEAD) as llm:
+        options, overrides = GRAPH_MODES[graphs]
+        with engine(model_dir, {**STORE_PER_HEAD, **options}, **overrides) as llm:
             generate(llm, ids, 2)  # computes the prompt, stores 3 chunks
             out = generate(llm, ids, 2, logprobs=20)  # loads them
             perhead = dict(_worker().perhead.stats)
