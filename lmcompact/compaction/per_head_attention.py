@@ -87,6 +87,7 @@ class PerHeadAttention(PageObserver[_Rows]):
         self.tables: DeviceHeadTables | None = None
         self.max_keys = 0
         self._splits: tuple[Any, int] | None = None  # (metadata, splits) of the step
+        self._compiled: set[tuple[int, bool, torch.dtype]] = set()
 
     def attend_in_place(self, capacity: int, max_keys: int) -> None:
         """Attend with device tables for up to ``capacity`` requests of at most ``max_keys``
@@ -204,8 +205,6 @@ class PerHeadAttention(PageObserver[_Rows]):
         replays serve whichever requests later steps hold)."""
         assert self.tables is not None
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not self.tables.active:
-            return
         d = self.head_dim
         num_reqs = int(metadata.query_start_loc.numel()) - 1
         max_q_len = int(metadata.max_query_len)
@@ -224,6 +223,12 @@ class PerHeadAttention(PageObserver[_Rows]):
             )
             self._splits = (metadata, splits)
         splits = self._splits[1]
+        # a kernel variant's first launch compiles it: let that happen in vLLM's warm-up
+        # runs (no request has counts yet, so the launch writes nothing), not in a capture
+        variant = (splits, max_q_len * queries.shape[1] <= 16 * key_pool.shape[2], query.dtype)
+        if not capturing and not self.tables.active and variant in self._compiled:
+            return
+        self._compiled.add(variant)
         attend_entries(
             queries,
             key_pool,
