@@ -46,7 +46,7 @@ POLICIES = {
     # one count per layer, more in lower layers: cut to the layer's cells there
     "pyramidkv": {**EXTRA, "policy": "pyramidkv", "policy_params": {}},
 }
-LOGPROB_ATOL = 1e-3
+LOGPROB_ATOL = 1e-5  # the bound (float32; measured 0.5-1.4e-6)
 CONNECTOR = ("LMCompactConnector", "connectors.vllm.connector")  # the store path alone
 
 
