@@ -89,14 +89,33 @@ def forced_logprobs(
     return stacked.gather(1, tokens[:, None])[:, 0], stacked.argmax(dim=-1) == tokens
 
 
-def decode_cache(model: Any, policy: str, budget: int, prompt_len: int, interval: int) -> Any:
+def decode_cache(
+    model: Any,
+    policy: str,
+    budget: int,
+    prompt_len: int,
+    interval: int,
+    prompt_budget: float | None = None,
+) -> Any:
     """A :class:`~lmcompact.hf.cache.CompactingCache` whose ``policy`` keeps ``budget``
-    tokens per (layer, head), re-planned every ``interval`` fed tokens; the prompt is
-    compacted to the budget too when it is longer (else kept whole)."""
+    tokens per (layer, head), re-planned every ``interval`` fed tokens. ``prompt_budget``
+    None: one budget for everything, the prompt compacted to it too when longer (else kept
+    whole); a fraction: the policy keeps that share of the prompt at its end and the budget
+    bounds the generated tokens only (``protect_prompt``, vLLM's release-group split)."""
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.policies import make_policy
 
     params = dict(POLICIES.get(policy, {}))
+    if prompt_budget is not None:
+        instance = make_policy(policy, budget=prompt_budget, **params)
+        return CompactingCache(
+            model,
+            instance,
+            decode_slack=interval - 1,
+            decode_budget=budget,
+            protect_prompt=True,
+            window_size=None,
+        )
     prefill: float | int = budget if budget < prompt_len else 1.0
     instance = make_policy(policy, budget=prefill, **params)
     return CompactingCache(

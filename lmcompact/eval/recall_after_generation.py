@@ -83,6 +83,7 @@ def run_cell(
     budget: int | None,
     interval: int,
     new_tokens: int,
+    prompt_budget: float | None = None,
 ) -> RecallCell:
     """Every question of every case with ``policy`` at ``budget`` (None: the full cache)."""
     from transformers import DynamicCache
@@ -96,7 +97,7 @@ def run_cell(
             cache: Any = (
                 DynamicCache(config=model.config)
                 if budget is None
-                else decode_cache(model, policy, budget, len(prompt), interval)
+                else decode_cache(model, policy, budget, len(prompt), interval, prompt_budget)
             )
             question = torch.tensor(context.question_ids[index])
             ids = answer(model, cache, [prompt, generated, question], interval, new_tokens)
@@ -163,6 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-budget",
+        type=float,
+        default=None,
+        help="kept share of the prompt; the decode budget then bounds generated tokens only "
+        "(default: one budget for prompt and generation together)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     args = parser.parse_args(argv)
 
@@ -180,7 +188,16 @@ def main(argv: list[str] | None = None) -> None:
     plans += [(p, b) for b in args.budgets for p in args.policies]
     cells = []
     for policy, budget in tqdm(plans, desc="cells"):
-        cell = run_cell(model, tokenizer, cases, policy, budget, args.interval, args.new_tokens)
+        cell = run_cell(
+            model,
+            tokenizer,
+            cases,
+            policy,
+            budget,
+            args.interval,
+            args.new_tokens,
+            args.prompt_budget,
+        )
         logger.info("%s", cell)
         cells.append(cell)
     report = {
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         "samples": args.samples,
         "depths": list(DEPTHS),
         "seed": args.seed,
+        "prompt_budget": args.prompt_budget,
         "dtype": "float32",
         "cells": [asdict(c) for c in cells],
     }
@@ -198,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     title = (
         f"{args.model}: facts in a {args.context}-token prompt, asked after "
-        f"{args.generated} more tokens (re-plan every {args.interval})"
+        f"{args.generated} more tokens (re-plan every {args.interval}"
+        + ("" if args.prompt_budget is None else f", prompt kept {args.prompt_budget:g}")
+        + ")"
     )
     plot(cells, args.out.with_suffix(".png"), title)
     for c in cells:

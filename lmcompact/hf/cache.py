@@ -80,6 +80,10 @@ class CompactingCache(Cache):
         decode_budget: Tokens per (layer, head) that decode-time policies re-plan back to
             (a decode budget, as vLLM's ``release.decode_budget_tokens``); None: each
             layer's longest head after the prefill compaction.
+        protect_prompt: With ``decode_budget``: the prompt's tokens kept by the prefill
+            compaction all stay, and the budget bounds the generated tokens only (as
+            vLLM's release group holds a request's kept prompt blocks plus its decode
+            budget); False: the budget bounds prompt and generated tokens together.
         tokenizer: Needed by policies that read token classes (FastGen).
         **policy_params: Hyper-parameters for a policy given by name.
     """
@@ -94,6 +98,7 @@ class CompactingCache(Cache):
         decode_slack: int | None = None,
         decode_compaction: bool = True,
         decode_budget: int | None = None,
+        protect_prompt: bool = False,
         tokenizer: Any = None,
         auto_compact: bool = True,
         **policy_params: Any,
@@ -133,6 +138,11 @@ class CompactingCache(Cache):
         if decode_budget is not None and decode_budget < 1:
             raise ValueError(f"decode_budget must be >= 1 token, got {decode_budget}")
         self.decode_budget = decode_budget
+        if protect_prompt and decode_budget is None:
+            raise ValueError("protect_prompt needs a decode_budget (it bounds generated tokens)")
+        self.protect_prompt = protect_prompt
+        self.prompt_length: int | None = None
+        self._prompt_kept: torch.Tensor | None = None  # (B, L, H) prompt tokens kept
         self.decode_compaction = decode_compaction and Phase.DECODE in policy.phases
         self.wants_decode_mass = self.decode_compaction and bool(
             self.needs & (Need.WINDOW_SCORES | Need.WINDOW_ATTENTION | Need.CUMULATIVE_SCORES)
@@ -426,6 +436,8 @@ class CompactingCache(Cache):
             layer.keys = layer.values = None
             layer.observations = None
         self.plans = plans
+        self.prompt_length = length
+        self._prompt_kept = torch.stack([p.kept_counts() for p in plans])
         everything = all(p.total_kept == p.total_slots for p in plans)
         if self.decode_compaction and self.decode_budget is not None:
             self.decode_targets = [self.decode_budget] * len(layers)
@@ -449,9 +461,15 @@ class CompactingCache(Cache):
             return
         start = time.perf_counter()
         replanned = False
-        for layer, target in zip(self._layers(), self.decode_targets, strict=True):
+        protect = self.prompt_length if self.protect_prompt else None
+        for index, (layer, target) in enumerate(
+            zip(self._layers(), self.decode_targets, strict=True)
+        ):
             assert layer.ragged is not None
-            if int(layer.ragged.lengths().max()) > target + self.decode_slack:
+            held = layer.ragged.lengths()
+            if protect is not None and self._prompt_kept is not None:
+                held = held - self._prompt_kept[:, index].to(held.device)  # generated only
+            if int(held.max()) > target + self.decode_slack:
                 layer.ragged = replan_layer(
                     self.policy,
                     self.needs,
@@ -461,6 +479,7 @@ class CompactingCache(Cache):
                     recent_queries=layer.recent_queries,
                     recent_positions=layer.recent_positions,
                     scale=self.attention_scale,
+                    protect_before=protect,
                 )
                 replanned = True
             layer.last_mass = None

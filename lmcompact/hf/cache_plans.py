@@ -111,13 +111,19 @@ def replan_layer(
     recent_queries: torch.Tensor | None = None,
     recent_positions: torch.Tensor | None = None,
     scale: float | None = None,
+    protect_before: int | None = None,
 ) -> RaggedLayer:
     """One layer re-planned during decode: every head of every sequence back to ``target``
     tokens, scored from the accumulated scores and either the last step's key ``mass``
     (flat, as the ragged attention gives it; a window of one query) or, when given, the
     attention of the ``recent_queries`` ``(B, Hq, W, D)`` at ``recent_positions`` ``(W,)``
-    over the kept keys (:func:`decode_window_attention`)."""
+    over the kept keys (:func:`decode_window_attention`). ``protect_before``: keys at
+    earlier positions (the prompt's kept ones) all stay and ``target`` counts the rest."""
     keys, values, positions, valid = ragged.padded()
+    protected = None
+    if protect_before is not None:
+        protected = valid & (positions < protect_before)
+        valid = valid & ~protected
     padded_mass = None if mass is None else pad_flat(ragged, mass)
     padded_scores = None if ragged.scores is None else pad_flat(ragged, ragged.scores)
     rows = None
@@ -150,7 +156,12 @@ def replan_layer(
             budget_tokens=target,
         )
         plan = policy.plan(inputs)
-        keep.extend(plan.kept[0])
+        if protected is None:
+            keep.extend(plan.kept[0])
+            continue
+        for head, chosen in enumerate(plan.kept[0]):
+            fixed = torch.nonzero(protected[b, head]).flatten().to(chosen.device)
+            keep.append(torch.sort(torch.cat([fixed, chosen.long()])).values)
     return ragged.gather(keep)
 
 

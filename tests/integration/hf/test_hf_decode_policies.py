@@ -108,3 +108,59 @@ def test_decode_policy_recompacts_every_interval(
     if policy == "custom":  # keeps the most recent tokens: the last re-plan kept a suffix
         positions = cache.layers[0].ragged.positions
         assert int(positions.max()) == PROMPT_TOKENS + NEW_TOKENS - 2
+
+
+@pytest.mark.parametrize("policy", ["decoding_snapkv", "rkv"])
+def test_protected_prompt_keeps_its_kept_tokens_and_bounds_generated_ones(
+    policy: str, loaded: tuple[Any, Any], prompt: torch.Tensor
+) -> None:
+    """``protect_prompt``: the prompt's tokens kept at the prefill end all survive every
+    re-plan, and the decode budget bounds only the generated tokens of each head."""
+    from lmcompact.hf.cache import CompactingCache
+
+    model, _ = loaded
+    budget = 16
+    cache = CompactingCache(
+        model,
+        policy,
+        budget=0.25,
+        interval=INTERVAL,
+        decode_budget=budget,
+        protect_prompt=True,
+    )
+    prompt_kept: list[list[set[int]]] = []
+    generated_held: list[int] = []
+    original = cache.after_decode_step
+
+    def watched() -> None:
+        if not prompt_kept:  # the first decode step: what the prefill compaction kept
+            prompt_kept.extend(_positions(cache, below=PROMPT_TOKENS))
+        original()
+        for layer in cache.layers:
+            held = layer.ragged.positions >= PROMPT_TOKENS
+            counts = torch.zeros(layer.ragged.lengths().numel(), dtype=torch.long)
+            counts.index_add_(0, layer.ragged.segment_ids(), held.long())
+            generated_held.append(int(counts.max()))
+
+    cache.after_decode_step = watched  # type: ignore[method-assign]
+    tokens = generate(loaded, prompt, cache)
+    assert len(tokens) == NEW_TOKENS
+    assert cache.stats["decode_compactions"] >= 2  # 39 generated keys, budget 16 + 7 slack
+    assert max(generated_held) <= budget + INTERVAL - 1
+    assert _positions(cache, below=PROMPT_TOKENS) == prompt_kept
+    kept = sum(len(head) for layer in prompt_kept for head in layer)
+    assert kept == len(cache.layers) * cache.num_kv_heads * PROMPT_TOKENS // 4
+
+
+def _positions(cache: Any, below: int) -> list[list[set[int]]]:
+    """Per layer, per kv head: the kept positions under ``below`` (batch of one)."""
+    out = []
+    for layer in cache.layers:
+        ragged = layer.ragged
+        segment = ragged.segment_ids()
+        heads: list[set[int]] = [set() for _ in range(ragged.num_kv_heads)]
+        for pos, seg in zip(ragged.positions.tolist(), segment.tolist(), strict=True):
+            if pos < below:
+                heads[seg % ragged.num_kv_heads].add(pos)
+        out.append(heads)
+    return out
