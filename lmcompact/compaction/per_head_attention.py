@@ -208,27 +208,21 @@ class PerHeadAttention(PageObserver[_Rows]):
         d = self.head_dim
         num_reqs = int(metadata.query_start_loc.numel()) - 1
         max_q_len = int(metadata.max_query_len)
-        queries = query.view(query.shape[0], -1, d)
-        key_pool, value_pool = vllm_kv_views(self.kv_caches[name])
+        hkv, hq = self.tables.kept.shape[2], query.shape[1] // d
         if self._splits is None or self._splits[0] is not metadata:
             splits = entry_splits(
-                num_reqs,
-                max_q_len,
-                key_pool.shape[2],
-                queries.shape[1],
-                d,
-                queries.shape[0],
-                self.max_keys,
-                query.device,
+                num_reqs, max_q_len, hkv, hq, d, query.shape[0], self.max_keys, query.device
             )
             self._splits = (metadata, splits)
         splits = self._splits[1]
         # a kernel variant's first launch compiles it: let that happen in vLLM's warm-up
         # runs (no request has counts yet, so the launch writes nothing), not in a capture
-        variant = (splits, max_q_len * queries.shape[1] <= 16 * key_pool.shape[2], query.dtype)
+        variant = (splits, max_q_len * hq <= 16 * hkv, query.dtype)
         if not capturing and not self.tables.active and variant in self._compiled:
             return
         self._compiled.add(variant)
+        queries = query.view(query.shape[0], hq, d)
+        key_pool, value_pool = vllm_kv_views(self.kv_caches[name])
         attend_entries(
             queries,
             key_pool,

@@ -85,6 +85,10 @@ class DeviceHeadTables:
 
     def sync(self, wanted: Mapping[str, HeadCounts]) -> None:
         """Make the tables hold exactly ``wanted`` (by request id); writes only changes."""
+        if len(wanted) == len(self._slots) and all(
+            self._slots.get(req_id, (0, None))[1] is counts for req_id, counts in wanted.items()
+        ):
+            return  # the usual step: nothing loaded, packed or taken back
         for req_id, (_, counts) in list(self._slots.items()):
             if wanted.get(req_id) is not counts:
                 self.entries[counts.first_block] = -1

@@ -104,7 +104,11 @@ def attend_entries(
     """
     import triton  # type: ignore[import-untyped]
 
-    from lmcompact.kernels.paged_attention import _dot_precision
+    from lmcompact.kernels.paged_attention import (
+        _decode_block_n,
+        _dot_precision,
+        decode_num_stages,
+    )
     from lmcompact.kernels.paged_attention_kernels import launch_split_attention
 
     if num_reqs == 0 or max_q_len == 0:
@@ -113,7 +117,7 @@ def attend_entries(
     hkv = key_pool.shape[2]
     group = hq // hkv
     block_m = 16 if max_q_len * group <= 16 else 64
-    block_n = 64 if d > 64 else 128
+    block_n = _decode_block_n(d)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=queries.device)
     launch_split_attention(
         (num_reqs * hkv, triton.cdiv(max_q_len * group, block_m), num_splits),
@@ -135,7 +139,7 @@ def attend_entries(
         num_splits=num_splits,
         precision=_dot_precision(queries.dtype),
         num_warps=4,
-        num_stages=2 if d > 64 else 3,
+        num_stages=decode_num_stages(d),
         entries=lengths.entries,
     )
 

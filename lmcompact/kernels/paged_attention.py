@@ -234,6 +234,11 @@ def _decode_block_n(head_dim: int) -> int:
     return 64 if head_dim > 64 else 128
 
 
+def decode_num_stages(head_dim: int) -> int:
+    """Pipeline stages of the decode-sized split launch (fewer for wide heads: shared memory)."""
+    return 3 if triton.next_power_of_2(head_dim) <= 64 else 2
+
+
 def paged_decode_attention(
     queries: torch.Tensor,
     key_pool: torch.Tensor,
@@ -277,7 +282,6 @@ def paged_decode_attention(
     hkv = key_pool.shape[2]
     quant = key_scales is not None and value_scales is not None
     block_n = _decode_block_n(d)
-    block_d = triton.next_power_of_2(d)
     out = torch.empty(batch, hq, d, dtype=queries.dtype, device=queries.device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=queries.device)
     group = hq // hkv
@@ -302,6 +306,6 @@ def paged_decode_attention(
         num_splits=num_splits,
         precision=_dot_precision(queries.dtype),
         num_warps=4,
-        num_stages=3 if block_d <= 64 else 2,
+        num_stages=decode_num_stages(d),
     )
     return out

@@ -57,20 +57,11 @@ def test_in_place_per_head_equals_masked_reference(tiny_model: Path, policy: str
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(worker_module, "pack_in_place", recording_pack)
         with release_engine(str(tiny_model), extra, max_model_len=2048) as llm:
-            tokens, logprobs = reference.engine_greedy(llm, PROMPT, NEW_TOKENS)
+            engine = reference.engine_greedy(llm, PROMPT, NEW_TOKENS)
     assert len(packs) == 1, "the prompt was not packed in place"
     span, kept = packs[0]
     counts = torch.tensor([[k.numel() for k in heads] for heads in kept])
     assert counts.unique().numel() > 1  # the policy's own counts per (layer, head)
     model = reference.load(str(tiny_model))
     compaction = reference.Compaction(span=span, from_query=len(PROMPT), kept=kept)
-    ref_tokens, ref_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, compaction)
-    gap = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
-    print(f"{policy}: engine {tokens}\nreference {ref_tokens}\nmax log-probability gap {gap:.2e}")
-    assert tokens == ref_tokens
-    assert gap < LOGPROB_ATOL, f"log-probabilities differ by up to {gap:.2e}"
-    full_tokens, full_logprobs = reference.greedy(model, PROMPT, NEW_TOKENS, None)
-    assert (
-        full_tokens != tokens
-        or max(abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)) > 10 * LOGPROB_ATOL
-    )
+    reference.assert_engine_matches(model, PROMPT, engine, compaction, LOGPROB_ATOL)

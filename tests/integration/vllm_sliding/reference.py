@@ -158,6 +158,30 @@ def engine_greedy(
     return tokens, [float(step[t].logprob) for t, step in zip(tokens, out.logprobs, strict=True)]
 
 
+def assert_engine_matches(
+    model: Any,
+    prompt: Sequence[int],
+    engine: tuple[list[int], list[float]],
+    compaction: Compaction,
+    atol: float,
+) -> float:
+    """The engine's greedy ``(tokens, log-probabilities)`` equal :func:`greedy` over
+    ``compaction`` (log-probabilities within ``atol``), and the full cache's answer differs
+    (so the comparison can tell kept sets apart); returns the largest log-probability gap."""
+    tokens, logprobs = engine
+    ref_tokens, ref_logprobs = greedy(model, prompt, len(tokens), compaction)
+    gap = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+    print(f"engine {tokens}\nreference {ref_tokens}\nmax log-probability gap {gap:.2e}")
+    assert tokens == ref_tokens
+    assert gap < atol, f"log-probabilities differ by up to {gap:.2e}"
+    full_tokens, full_logprobs = greedy(model, prompt, len(tokens), None)
+    assert (
+        full_tokens != tokens
+        or max(abs(a - b) for a, b in zip(full_logprobs, logprobs, strict=True)) > 10 * atol
+    )
+    return gap
+
+
 def stored_positions(chunks: Sequence[Any], chunk_size: int) -> list[list[torch.Tensor]]:
     """``kept[layer][head]``: the logical positions loaded chunks ``0, 1, ..`` (from token
     0) hold for each (layer, kv head), per-head counts or not."""
