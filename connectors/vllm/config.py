@@ -345,6 +345,9 @@ class StoreOptions:
         load: serve stored prefixes to new requests.
         async_save: compact and store on a background thread (the forward pass only waits
             for a page copy); False does it inline (deterministic, slower).
+        remote_wait_s: ``kv_role`` ``"kv_consumer"``: how long a request whose producer
+            stored its prefix (:mod:`connectors.vllm.disaggregation`) waits for those chunks
+            to reach the store before it loads what is there and recomputes the rest.
         max_pending_save_mb: most MiB of page copies waiting for the background thread;
             a save that would pass it is skipped (counted in ``saves_skipped``, warned
             about, its chunks reported unsaved: a later request recomputes them) rather
@@ -415,6 +418,7 @@ class StoreOptions:
     save: bool = option(True, boolean())
     load: bool = option(True, boolean())
     async_save: bool = option(True, boolean())
+    remote_wait_s: float = option(10.0, number(above=0, allowed="seconds > 0"))
     max_pending_save_mb: int = option(8192, integer(1))
     model_id: str | None = option(None, text(nullable=True))
     compact_on: str = option(AUTO, choice((AUTO, *COMPACT_ON)))

@@ -213,8 +213,8 @@ class LMCompactConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().finished(request.request_id)
-        return False, None
+        # a kv_producer's params tell the consumer what it stored (disaggregation.py)
+        return False, self._scheduler().finished(request.request_id)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # vLLM >= 0.32 (its base implementation then calls bind_gpu_block_pool)

@@ -29,6 +29,7 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.vllm.disaggregation import StoredPrefix
 from connectors.vllm.reconstruct import ReconstructRequest
 from lmcompact.compaction.holes import HoleState
 from lmcompact.store import ChunkKey
@@ -73,6 +74,11 @@ class RequestState:
         frontier: prefix caching: the first logical block that is not the full-prefix KV of
             its tokens (never hashed again; None: all are).
         seq_len: keys of the request in the step being planned (None: not scheduled).
+        stored_chunks: leading prompt chunks in the store or being saved once its save is
+            planned (what a ``kv_producer`` tells the consumer).
+        remote: ``kv_consumer``: what the producer stored for it (None: nothing said).
+        remote_since: ``kv_consumer``: when it began waiting for those chunks (None: not).
+        remote_checked: ``kv_consumer``: when the store was last asked for them.
     """
 
     prompt: list[int]
@@ -101,6 +107,10 @@ class RequestState:
     packs_owed: set[int] = field(default_factory=set)
     frontier: int | None = None
     seq_len: int | None = None
+    stored_chunks: int = 0
+    remote: StoredPrefix | None = None
+    remote_since: float | None = None
+    remote_checked: float = 0.0
 
     def drop_hole(self) -> None:
         """The hole is gone before any of its blocks went back (a refused load: vLLM

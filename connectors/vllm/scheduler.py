@@ -68,6 +68,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.vllm.disaggregation import (
+    KV_CONSUMER,
+    KV_PRODUCER,
+    stored_params,
+    stored_prefix,
+)
 from connectors.vllm.metadata import (
     CaptureSpec,
     LMCompactMetadata,
@@ -101,6 +107,9 @@ from lmcompact.store import ChunkKey, ChunkKeyer, TieredStore
 logger = logging.getLogger(__name__)
 
 __all__ = ["ReleaseStats", "Scheduler"]
+
+REMOTE_POLL_S = 0.005
+"""How often a consumer request waiting for a producer's chunks asks the store again."""
 
 
 @dataclass
@@ -163,7 +172,10 @@ class Scheduler:
             "waits": 0,
             "wait_timeouts": 0,
             "load_failures": 0,
+            "remote_waits": 0,  # kv_consumer: requests that waited for a producer's chunks
+            "remote_wait_timeouts": 0,
         }
+        self.namespace_hex = spec.namespaces[0].digest().hex()
         # release group
         self.planner: HolePlanner | None = None
         if config.release is not None:
@@ -227,11 +239,20 @@ class Scheduler:
             tracked = RequestState(prompt=prompt, keys=self.keyer.keys(prompt))
             tracked.reconstruct = self._reconstruct_len(request, prompt)
             self._given_scores(request, tracked)
+            if self.spec.kv_role == KV_CONSUMER:
+                self._producer_said(request, tracked)
             self.states.add(req_id, tracked)
         return tracked
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        """The request is done; a producer returns what it stored for the consumer."""
+        tracked = self.states.get(req_id)
+        params = None
+        if self.spec.kv_role == KV_PRODUCER and tracked is not None and tracked.stored_chunks:
+            stored = tracked.stored_chunks * self.config.store.chunk_size
+            params = stored_params(stored, self.namespace_hex)
         self.states.forget(req_id, finished=True)
+        return params
 
     def forget(self, req_id: str) -> None:
         """vLLM takes every block of ``req_id`` back (finish, abort, preemption)."""
@@ -260,10 +281,15 @@ class Scheduler:
         last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
         if last <= first:
             return 0
+        now = time.monotonic()
+        if tracked.remote_since is not None and now - tracked.remote_checked < REMOTE_POLL_S:
+            return None  # waiting for a producer's chunks; ask the store again shortly
         self.stats["lookups"] += 1
         present = self._present(tracked, first, last)
         if present < last and self._save_in_flight(tracked.keys[present]):
             self.stats["waits"] += 1
+            return None
+        if self._awaits_producer(request.request_id, tracked, present, last, now):
             return None
         if present <= first:
             self.stats["misses"] += 1
@@ -301,6 +327,55 @@ class Scheduler:
                 logger.exception("store lookup failed; treating the rest as a miss")
         tracked.looked_up, tracked.present = probe, present
         return present
+
+    def _producer_said(self, request: Any, tracked: RequestState) -> None:
+        """Read the producer's entry of a consumer request's ``kv_transfer_params``."""
+        try:
+            remote = stored_prefix(getattr(request, "kv_transfer_params", None))
+        except ValueError as error:
+            logger.error("request %s: %s; served without waiting", request.request_id, error)
+            return
+        if remote is not None and remote.namespace != self.namespace_hex:
+            logger.error(
+                "request %s: its producer stored the prefix under store namespace %s, this "
+                "consumer reads %s (another model, policy, budget or store format): it cannot "
+                "load those chunks; give both instances the same kv_connector_extra_config",
+                request.request_id,
+                remote.namespace,
+                self.namespace_hex,
+            )
+            return
+        tracked.remote = remote
+
+    def _awaits_producer(
+        self, req_id: str, tracked: RequestState, present: int, last: int, now: float
+    ) -> bool:
+        """Whether a consumer request waits for chunks its producer stored that the store
+        does not hold yet (the producer answered before its background save landed)."""
+        if tracked.remote is None:
+            return False
+        expected = min(tracked.remote.tokens // self.config.store.chunk_size, last)
+        if present >= expected:
+            tracked.remote_since = None
+            return False
+        if tracked.remote_since is None:
+            tracked.remote_since = now
+            self.stats["remote_waits"] += 1
+        if now - tracked.remote_since <= self.config.store.remote_wait_s:
+            tracked.remote_checked = now
+            tracked.looked_up = None  # ask the store again, not the cached answer
+            return True
+        self.stats["remote_wait_timeouts"] += 1
+        logger.warning(
+            "request %s: its producer stored %d chunks, %d reached the store within "
+            "store.remote_wait_s=%.1f s; loading those and recomputing the rest",
+            req_id,
+            expected,
+            present,
+            self.config.store.remote_wait_s,
+        )
+        tracked.remote, tracked.remote_since = None, None
+        return False
 
     def _slices(self, key: ChunkKey) -> tuple[ChunkKey, ...]:
         """Store keys of every rank's slice of the chunk ``key`` (``(key,)`` with one rank)."""
@@ -579,6 +654,7 @@ class Scheduler:
             first = max(first, self._present(tracked, 0, n_full))
         while first < n_full and self._save_in_flight(tracked.keys[first]):
             first += 1  # another request is saving the same leading chunks right now
+        tracked.stored_chunks = first
         if first >= n_full:
             return
         if (
@@ -597,6 +673,7 @@ class Scheduler:
             )
             return
         keys = tracked.keys[first:n_full]
+        tracked.stored_chunks = n_full
         now = time.monotonic()
         self._saving.update((s, now) for key in keys for s in self._slices(key))
         meta.saves.append(

@@ -24,6 +24,7 @@ from connectors.vllm.config import (
     kept_blocks,
     without_two_stages,
 )
+from connectors.vllm.disaggregation import KV_BOTH, check_role, options_for_role
 from connectors.vllm.kv_dtype import fp8_store_defaults, refuse_fp8_combinations
 from connectors.vllm.patches import engine
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
@@ -58,6 +59,7 @@ class ConnectorSpec:
             counts ``ceil(kept x layer_slack)`` in whole blocks).
         cap: with ``store.per_head``, most tokens one (layer, head) keeps of a chunk; None
             without.
+        kv_role: vLLM's ``kv_role`` (:mod:`connectors.vllm.disaggregation`).
     """
 
     config: ConnectorConfig
@@ -69,14 +71,17 @@ class ConnectorSpec:
     kept: int
     slots: int
     cap: int | None = None
+    kv_role: str = KV_BOTH
 
     @classmethod
     def build(cls, vllm_config: Any) -> ConnectorSpec:
         """The spec of ``vllm_config`` (built and checked once per process and config)."""
         facts = engine.engine_facts(vllm_config)
-        extra = fp8_store_defaults(engine.transfer_extra_config(vllm_config), facts)
+        role = engine.kv_role(vllm_config)
+        extra = options_for_role(engine.transfer_extra_config(vllm_config), role)
+        extra = fp8_store_defaults(extra, facts)
         max_len = int(vllm_config.model_config.max_model_len)
-        key = (json.dumps(extra, sort_keys=True, default=str), facts, max_len)
+        key = (json.dumps(extra, sort_keys=True, default=str), facts, max_len, role)
         with _LOCK:
             spec = _SPECS.get(key)
             if spec is None:
@@ -89,16 +94,21 @@ class ConnectorSpec:
                         DEFAULT_STORE_POLICY,
                     )
                     config = ConnectorConfig.from_extra(fallback)
-                spec = cls.from_parts(config, facts, max_len)
+                spec = cls.from_parts(config, facts, max_len, kv_role=role)
                 _SPECS[key] = spec
         return spec
 
     @classmethod
     def from_parts(
-        cls, config: ConnectorConfig, facts: engine.EngineFacts, max_model_len: int
+        cls,
+        config: ConnectorConfig,
+        facts: engine.EngineFacts,
+        max_model_len: int,
+        kv_role: str = KV_BOTH,
     ) -> ConnectorSpec:
         """Check ``config`` against the engine and build the spec (no caching)."""
         policy = config.policy_object
+        check_role(config, kv_role)
         check_against_engine(config, policy, facts)
         refuse_fp8_combinations(config, facts)
         if config.release is not None:
@@ -113,6 +123,7 @@ class ConnectorSpec:
             kept=config.kept_per_chunk(facts.block_size),
             slots=config.slots_per_chunk(facts.block_size),
             cap=config.head_cap_per_chunk(facts.block_size),
+            kv_role=kv_role,
         )
         if config.release is not None:
             spec.log_pack_geometry(spec.planner())
@@ -155,7 +166,7 @@ class ConnectorSpec:
         )
 
 
-_SPECS: dict[tuple[str, engine.EngineFacts, int], ConnectorSpec] = {}
+_SPECS: dict[tuple[str, engine.EngineFacts, int, str], ConnectorSpec] = {}
 """The process's specs (configuration objects, never per-step state)."""
 _LOCK = threading.Lock()
 

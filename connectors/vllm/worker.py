@@ -161,6 +161,7 @@ class Worker:
         self.stats: dict[str, float] = {
             "loads": 0,
             "loaded_chunks": 0,
+            "loaded_bytes": 0,  # what the loaded chunks take in the store (bytes moved)
             "load_failures": 0,
             "rejected_chunks": 0,
             "saves": 0,
@@ -685,6 +686,8 @@ class Worker:
             self._report.loaded.add(load.req_id)
         self.stats["loads"] += 1
         self.stats["loaded_chunks"] += len(chunks)
+        quantize = self.config.store.quantize
+        self.stats["loaded_bytes"] += sum(stored_nbytes(chunk, quantize) for chunk in chunks)
         logger.debug("loaded %d chunks for %s", len(chunks), load.req_id)
 
     def _write_chunks(self, load: wire.LoadSpec, chunks: list[CompactedChunk]) -> None:

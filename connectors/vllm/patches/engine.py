@@ -178,6 +178,12 @@ def transfer_extra_config(vllm_config: Any) -> dict[str, Any]:
     return dict(getattr(transfer, "kv_connector_extra_config", None) or {})
 
 
+def kv_role(vllm_config: Any) -> str:
+    """``kv_role`` of the transfer config (``kv_both`` when it names none)."""
+    transfer = vllm_config.kv_transfer_config
+    return str(getattr(transfer, "kv_role", None) or "kv_both")
+
+
 # ---------------------------------------------------------------------------- worker side
 def attention_layers(vllm_config: Any) -> dict[str, Any]:
     """Attention layers with a paged KV cache, by name, in model order."""

@@ -42,6 +42,7 @@ REVIEWED = {
     "capture": "whether packs capture window queries",
     "reserve_growth": "release option",
     "keyer": "chunk keys of prompts",
+    "namespace_hex": "store namespace a kv_producer names and a kv_consumer checks",
     # collaborators
     "store": "rank 0's store",
     "rank_stores": "one store per rank",
