@@ -208,7 +208,8 @@ class PerHeadAttention(PageObserver[_Rows]):
         d = self.head_dim
         num_reqs = int(metadata.query_start_loc.numel()) - 1
         max_q_len = int(metadata.max_query_len)
-        hkv, hq = self.tables.kept.shape[2], query.shape[1] // d
+        # vLLM's CPU backend passes (tokens, heads x d), FlashAttention 3 (tokens, heads, d)
+        hkv, hq = self.tables.kept.shape[2], query.shape[1:].numel() // d
         if self._splits is None or self._splits[0] is not metadata:
             splits = entry_splits(
                 num_reqs, max_q_len, hkv, hq, d, query.shape[0], self.max_keys, query.device

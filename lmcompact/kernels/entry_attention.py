@@ -63,6 +63,10 @@ def entry_splits(
     variants to compile); prefill chunks have enough query tiles with one."""
     from lmcompact.kernels.paged_attention import decode_splits
 
+    if num_kv_heads < 1 or num_heads < num_kv_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+        )
     if max_q_len * (num_heads // num_kv_heads) > 16:
         return 1
     splits = decode_splits(max(num_reqs, 1), num_kv_heads, head_dim, max_keys, device)

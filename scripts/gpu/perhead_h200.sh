@@ -25,7 +25,7 @@ connector)
  \"kvzip_ragged\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}}},
  \"snapkv_inplace\": {\"policy\": \"snapkv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\"}},
  \"adakv_inplace\": {\"policy\": \"adakv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\", \"per_head\": {\"slack\": 1.5}}}}" \
-    --json "$OUT/perhead-h200-bench.json" 2>&1 | tail -30
+    --json "$OUT/perhead-h200-bench.json" > "$OUT/perhead-bench.log" 2>&1; tail -30 "$OUT/perhead-bench.log"
   ;;
 serve)
   python3 -m lmcompact bench serve --shape llama3-8b --prompt-tokens 16384 --output-tokens 1024 \

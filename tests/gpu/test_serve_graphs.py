@@ -361,9 +361,10 @@ def test_store_per_head_load_matches_masked_reference_with_graphs(
             generate(llm, ids, 2)  # computes the prompt, stores 3 chunks
             out = generate(llm, ids, 2, logprobs=20)  # loads them
             perhead = dict(_worker().perhead.stats)
+            seen = {k: v for k, v in _worker().stats.items() if "captur" in k or "save" in k}
     finally:
         Worker._fetch = fetch  # type: ignore[method-assign]
-    assert len(loads) == 1 and len(loads[0]) == 3
+    assert len(loads) == 1 and len(loads[0]) == 3, seen
     assert perhead["requests"] == 1 and perhead["calls"] >= 2
     counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
     assert counts.unique().numel() > 1 and int(counts.max()) <= 128
