@@ -6,8 +6,8 @@ the same invocation), and writes a JSON with ``blocks_held_fraction`` and
 ``decode_ratio_vs_uniform`` (objects keyed by the per-head label), the hit's TTFT speed-up
 over recomputing, and a bar plot beside it.
 
-Usage: ``python scripts/perhead_report.py BENCH.json --out docs/benchmarks/perhead-h200.json
-kvzip_ragged=kvzip_head adakv_inplace=snapkv_inplace``.
+Usage: ``python scripts/perhead_report.py STORE.json,INPLACE.json --out
+docs/benchmarks/perhead-h200.json kvzip_ragged=kvzip_head adakv_inplace=snapkv_inplace``.
 """
 
 from __future__ import annotations
@@ -69,12 +69,17 @@ def plot(figures: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bench", help="lmcompact bench connector --json output")
+    parser.add_argument(
+        "bench", help="lmcompact bench connector --json output(s), comma-separated: their rows "
+        "are joined (each pair must come from one run)"
+    )
     parser.add_argument("pairs", nargs="+", help="PER_HEAD=UNIFORM row labels")
     parser.add_argument("--out", required=True, help="JSON to write (the PNG goes beside it)")
     args = parser.parse_args()
     pairs = dict(p.split("=", 1) for p in args.pairs)
-    figures = report(json.loads(Path(args.bench).read_text()), pairs)
+    runs = [json.loads(Path(path).read_text()) for path in args.bench.split(",")]
+    bench = {**runs[0], "rows": [row for run in runs for row in run["rows"]]}
+    figures = report(bench, pairs)
     out = Path(args.out)
     out.write_text(json.dumps(figures, indent=1) + "\n")
     plot(figures, out.with_suffix(".png"))
