@@ -70,8 +70,9 @@ def plot(figures: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "bench", help="lmcompact bench connector --json output(s), comma-separated: their rows "
-        "are joined (each pair must come from one run)"
+        "bench",
+        help="lmcompact bench connector --json output(s), comma-separated: their rows "
+        "are joined (each pair must come from one run)",
     )
     parser.add_argument("pairs", nargs="+", help="PER_HEAD=UNIFORM row labels")
     parser.add_argument("--out", required=True, help="JSON to write (the PNG goes beside it)")
