@@ -36,8 +36,10 @@ def release_engine(
     max_num_batched_tokens: int = 2048,
     connector: tuple[str, str] = CONNECTOR,
     prefix_caching: bool = False,
+    **engine_args: Any,
 ) -> Iterator[Any]:
-    """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector.
+    """A float32 ``LLM`` on the CPU; ``extra`` None runs without any connector; other
+    ``vllm.LLM`` keywords in ``engine_args`` (e.g. ``logits_processors``).
 
     Args:
         num_blocks: KV blocks in the pool (``num_gpu_blocks_override``), None for vLLM's
@@ -59,6 +61,7 @@ def release_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         prefix_caching=prefix_caching,
+        **engine_args,
     ) as llm:
         yield llm
 
