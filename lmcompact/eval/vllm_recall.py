@@ -5,7 +5,9 @@ in a natural-text prompt, ``N`` tokens of other natural text written after it, t
 fact's question, answered greedily). Here a real vLLM engine decodes every one of those
 tokens (forced by :class:`lmcompact.eval.vllm_forced.ForcedTokens`), configured only by its
 ``kv_connector_extra_config``: ``"release": {"decode_budget_tokens": B, "decode_policy": P}``
-with policy ``none`` for the prompt, so one budget bounds prompt and generation together.
+with policy ``none`` for the prompt, so one budget bounds prompt and generation together;
+with ``--prompt-budget p`` the prompt is packed by SnapKV to ``p`` at its end and the decode
+budget bounds what follows (the release group's split).
 The full cache is the same engine without the connector. Per cell: accuracy over every
 (sample, question), and on the forced tokens (from the ones after the budget is first
 reached) the share where the compacted engine's own top-1 equals the full cache's and the
@@ -50,17 +52,20 @@ class EngineCell:
     seconds: float
 
 
-def _extra(policy: str, budget: int) -> dict[str, Any]:
-    return {
-        "policy": "none",
-        "store": False,
-        "release": {"decode_budget_tokens": budget, "decode_policy": policy},
-    }
+def _extra(policy: str, budget: int, prompt_budget: float | None) -> dict[str, Any]:
+    """One budget over prompt and generation (``prompt_budget`` None), or the prompt packed
+    by SnapKV at its end to ``prompt_budget`` and the decode budget over what follows."""
+    release = {"decode_budget_tokens": budget, "decode_policy": policy}
+    if prompt_budget is None:
+        return {"policy": "none", "store": False, "release": release}
+    return {"policy": "snapkv", "budget": prompt_budget, "store": False,
+            "release": {**release, "prefill": "pack"}}  # fmt: skip
 
 
 def run_cell(
     model: str, tokenizer: Any, requests: list[tuple[list[int], list[int], str]],
     policy: str, budget: int | None, new_tokens: int, max_model_len: int,
+    prompt_budget: float | None = None,
 ) -> tuple[EngineCell, list[tuple[list[int], list[float]]]]:  # fmt: skip
     """All requests through one engine; returns the cell and per request (top-1, log-probs)
     over its forced tokens."""
@@ -68,7 +73,7 @@ def run_cell(
     from lmcompact.eval.vllm_forced import ForcedTokens, forced_params, step_predictions
 
     began = time.perf_counter()
-    extra = None if budget is None else _extra(policy, budget)
+    extra = None if budget is None else _extra(policy, budget, prompt_budget)
     with engine(model, extra, max_model_len=max_model_len, logits_processors=[ForcedTokens]) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": prompt} for prompt, _, _ in requests],
@@ -148,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=3, help="prompts (3 questions each)")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-budget", type=float, default=None,
+        help="pack the prompt to this kept share at its end (SnapKV); the decode budget then "
+        "bounds the tokens after it (default: one budget over prompt and generation)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     args = parser.parse_args(argv)
     if any(b % BLOCK for b in args.budgets):
@@ -166,8 +176,10 @@ def main(argv: list[str] | None = None) -> None:
         for index, fact in enumerate(stored.needles):
             forced = generated.tolist() + list(stored.question_ids[index])
             requests.append((stored.context_ids, forced, fact.passkey))
-            # agreement counts the steps once the sequence passed the smallest budget
-            skip.append(max(0, min(args.budgets) - len(stored.context_ids)))
+            # agreement counts the steps once compaction began: at once with a packed
+            # prompt, else once the sequence passed the smallest budget
+            first = min(args.budgets) - len(stored.context_ids)
+            skip.append(0 if args.prompt_budget is not None else max(0, first))
     longest = max(len(p) + len(f) for p, f, _ in requests) + args.new_tokens
     max_model_len = -(-longest // BLOCK) * BLOCK
     plans: list[tuple[str, int | None]] = [(FULL, None)]
@@ -176,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     full_steps: list[tuple[list[int], list[float]]] = []
     for policy, budget in tqdm(plans, desc="cells"):
         cell, steps = run_cell(
-            model, tokenizer, requests, policy, budget, args.new_tokens, max_model_len
-        )
+            model, tokenizer, requests, policy, budget, args.new_tokens, max_model_len,
+            args.prompt_budget,
+        )  # fmt: skip
         if budget is None:
             full_steps = steps
         cell = compare(cell, steps, full_steps, skip)
@@ -192,7 +205,12 @@ def main(argv: list[str] | None = None) -> None:
         "samples": args.samples,
         "depths": list(DEPTHS),
         "seed": args.seed,
-        "budget_covers": "prompt and generated tokens together (policy none at prefill)",
+        "prompt_budget": args.prompt_budget,
+        "budget_covers": (
+            "prompt and generated tokens together (policy none at prefill)"
+            if args.prompt_budget is None
+            else "tokens after the prompt (the prompt packed by snapkv to prompt_budget)"
+        ),
         "cells": [asdict(c) for c in cells],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     title = (
         f"{args.model} in vLLM: facts in a {args.context}-token prompt, asked after "
         f"{args.generated} more decoded tokens"
+        + ("" if args.prompt_budget is None else f" (prompt packed to {args.prompt_budget:g})")
     )
     plot(cells, args.out.with_suffix(".png"), title)
     for c in cells:
