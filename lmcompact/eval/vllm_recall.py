@@ -7,7 +7,9 @@ tokens (forced by :class:`lmcompact.eval.vllm_forced.ForcedTokens`), configured 
 ``kv_connector_extra_config``: ``"release": {"decode_budget_tokens": B, "decode_policy": P}``
 with policy ``none`` for the prompt, so one budget bounds prompt and generation together;
 with ``--prompt-budget p`` the prompt is packed by SnapKV to ``p`` at its end and the decode
-budget bounds what follows (the release group's split).
+budget bounds what lies outside the hole: the ``S`` kept prompt tokens plus at most
+``max(B, S) - S`` tokens after them (:mod:`lmcompact.compaction.admission`), so give budgets
+above ``S`` to keep generated text besides the prompt.
 The full cache is the same engine without the connector. Per cell: accuracy over every
 (sample, question), and on the forced tokens (from the ones after the budget is first
 reached) the share where the compacted engine's own top-1 equals the full cache's and the
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompt-budget", type=float, default=None,
         help="pack the prompt to this kept share at its end (SnapKV); the decode budget then "
-        "bounds the tokens after it (default: one budget over prompt and generation)",
+        "bounds the kept prompt plus what follows (default: one budget over prompt and "
+        "generation, the prompt not packed)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     args = parser.parse_args(argv)
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         "budget_covers": (
             "prompt and generated tokens together (policy none at prefill)"
             if args.prompt_budget is None
-            else "tokens after the prompt (the prompt packed by snapkv to prompt_budget)"
+            else "the packed prompt's kept tokens plus the tokens after them (prompt packed "
+            "by snapkv to prompt_budget at its end)"
         ),
         "cells": [asdict(c) for c in cells],
     }
