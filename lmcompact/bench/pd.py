@@ -21,6 +21,7 @@ import logging
 import platform
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,34 +80,51 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+def _answers(
+    ask: Callable[[dict[str, Any]], tuple[float, str]], prompts: list[tuple[list[int], str]],
+    args: argparse.Namespace, bar: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Every prompt through ``ask`` (a request body -> seconds to the first token, text):
+    TTFT median and mean, accuracy, answers."""
+    from lmcompact.eval.tasks import score_needle
+
+    ttfts, answers, scores = [], [], []
+    for ids, passkey in prompts:
+        ttft, text = ask({"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0})
+        ttfts.append(ttft)
+        answers.append(text)
+        scores.append(score_needle(text, passkey))
+        bar.update(1)
+    return {
+        "ttft_s": statistics.median(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "accuracy": statistics.fmean(scores),
+        "answers": answers,
+    }
+
+
 def _run_pair(
     model: str, budget: float | None, redis_url: str, prompts: list[tuple[list[int], str]],
     args: argparse.Namespace, logs: Path, bar: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One producer + consumer pair over every prompt."""
-    from lmcompact.eval.tasks import score_needle
-
+    """One producer + consumer pair over every prompt, as a router sends them."""
     label = "none" if budget is None else f"{budget:g}"
     extra = _options(budget, redis_url)
-    producer = ServeInstance(
-        model, connector_transfer(extra, "kv_producer"), logs / f"producer-{label}.log",
-        max_model_len=args.context_tokens + 512,
+    producer, consumer = (
+        ServeInstance(
+            model, connector_transfer(extra, f"kv_{role}"), logs / f"{role}-{label}.log",
+            max_model_len=args.context_tokens + 512,
+        )
+        for role in ("producer", "consumer")
     )  # fmt: skip
-    consumer = ServeInstance(
-        model, connector_transfer(extra, "kv_consumer"), logs / f"consumer-{label}.log",
-        max_model_len=args.context_tokens + 512,
-    )  # fmt: skip
-    ttfts, answers, scores = [], [], []
+
+    def disaggregated(body: dict[str, Any]) -> tuple[float, str]:
+        stored = producer.complete({**body, "max_tokens": 1}).get("kv_transfer_params")
+        return consumer.first_token({**body, "kv_transfer_params": stored})
+
     with started([producer, consumer]):
         made0, used0 = producer.counters(), consumer.counters()
-        for ids, passkey in prompts:
-            body = {"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0}
-            stored = producer.complete({**body, "max_tokens": 1}).get("kv_transfer_params")
-            ttft, text = consumer.first_token({**body, "kv_transfer_params": stored})
-            ttfts.append(ttft)
-            answers.append(text)
-            scores.append(score_needle(text, passkey))
-            bar.update(1)
+        answered = _answers(disaggregated, prompts, args, bar)
         made, used = producer.counters(), consumer.counters()
     n = len(prompts)
     return {
@@ -120,10 +138,7 @@ def _run_pair(
         "bytes_per_request": _delta(used, used0, "loaded_bytes") / n,
         "stored_bytes": _delta(made, made0, "stored_bytes"),
         "stored_full_bytes": _delta(made, made0, "stored_full_bytes"),
-        "ttft_s": statistics.median(ttfts),
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "accuracy": statistics.fmean(scores),
-        "answers": answers,
+        **answered,
     }
 
 
@@ -132,28 +147,12 @@ def _recompute(
     bar: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """The consumer without a producer: a plain vLLM computing every prompt."""
-    from lmcompact.eval.tasks import score_needle
-
     plain = ServeInstance(
         model, None, logs / "recompute.log", max_model_len=args.context_tokens + 512
     )
-    ttfts, answers, scores = [], [], []
     with started([plain]):
-        for ids, passkey in prompts:
-            body = {"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0}
-            ttft, text = plain.first_token(body)
-            ttfts.append(ttft)
-            answers.append(text)
-            scores.append(score_needle(text, passkey))
-            bar.update(1)
-    return {
-        "budget": "recompute",
-        "requests": len(prompts),
-        "ttft_s": statistics.median(ttfts),
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "accuracy": statistics.fmean(scores),
-        "answers": answers,
-    }
+        answered = _answers(plain.first_token, prompts, args, bar)
+    return {"budget": "recompute", "requests": len(prompts), **answered}
 
 
 def _plot(path: Path, rows: list[dict[str, Any]], recompute: dict[str, Any]) -> None:

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -68,7 +69,7 @@ def scratch_redis_cluster(nodes: int = 3, timeout_s: float = 20.0) -> Iterator[s
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if server is None or cli is None:
         raise FileNotFoundError("redis-server / redis-cli not found on PATH (apt-get install)")
-    ports = [_free_port() for _ in range(nodes)]
+    ports = [free_port() for _ in range(nodes)]
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="lmc-bench-cluster-") as folder:
         try:
@@ -81,7 +82,7 @@ def scratch_redis_cluster(nodes: int = 3, timeout_s: float = 20.0) -> Iterator[s
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-require-full-coverage", "no",
                     # the bus port defaults to port + 10000, past 65535 for a high free port
-                    "--cluster-port", str(_free_port()),
+                    "--cluster-port", str(free_port()),
                 ]  # fmt: skip
                 procs.append(
                     subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

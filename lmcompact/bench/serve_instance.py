@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcompact.bench.scratch_cluster import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 COUNTER = re.compile(r"^vllm:lmcompact_(\w+)_total\{[^}]*\} (\S+)$", re.MULTILINE)
 SERVED_NAME = "m"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def connector_transfer(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:

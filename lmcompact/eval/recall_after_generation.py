@@ -153,17 +153,24 @@ def plot(cells: list[RecallCell], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_case_arguments(parser: argparse.ArgumentParser, policies: list[str]) -> None:
+    """The options of the recall cases and cells, shared with the vLLM run
+    (:mod:`lmcompact.eval.vllm_recall`)."""
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens")
-    parser.add_argument("--generated", type=int, default=1024, help="tokens fed after it")
+    parser.add_argument("--generated", type=int, default=1024, help="tokens written after it")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", default=policies)
     parser.add_argument("--samples", type=int, default=3, help="prompts (3 questions each)")
-    parser.add_argument("--interval", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="path without suffix")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_case_arguments(parser, list(POLICIES))
+    parser.add_argument("--interval", type=int, default=32)
     parser.add_argument(
         "--prompt-budget",
         type=float,
@@ -171,7 +178,6 @@ def main(argv: list[str] | None = None) -> None:
         help="kept share of the prompt; the decode budget then bounds generated tokens only "
         "(default: one budget for prompt and generation together)",
     )
-    parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -32,7 +32,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lmcompact.eval.recall_after_generation import DEPTHS, FULL, build_cases
+from lmcompact.eval.recall_after_generation import (
+    DEPTHS,
+    FULL,
+    add_case_arguments,
+    build_cases,
+)
 from lmcompact.eval.tasks import score_needle
 
 logger = logging.getLogger(__name__)
@@ -147,21 +152,13 @@ def plot(cells: list[EngineCell], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--context", type=int, default=1024, help="prompt tokens")
-    parser.add_argument("--generated", type=int, default=1024, help="tokens written after it")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--policies", nargs="+", default=["recent", "decoding_snapkv", "rkv"])
-    parser.add_argument("--samples", type=int, default=3, help="prompts (3 questions each)")
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    add_case_arguments(parser, ["recent", "decoding_snapkv", "rkv"])
     parser.add_argument(
         "--prompt-budget", type=float, default=None,
         help="pack the prompt to this kept share at its end (SnapKV); the decode budget then "
         "bounds the kept prompt plus what follows (default: one budget over prompt and "
         "generation, the prompt not packed)",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     args = parser.parse_args(argv)
     if any(b % BLOCK for b in args.budgets):
         raise SystemExit(f"--budgets must be multiples of the block size {BLOCK}")

@@ -22,14 +22,9 @@ from typing import Any
 import pytest
 
 from connectors.vllm.disaggregation import stored_params
-from lmcompact.bench.serve_instance import (
-    ROOT,
-    ServeInstance,
-    connector_transfer,
-    free_port,
-    started,
-)
+from lmcompact.bench.serve_instance import ROOT, ServeInstance, connector_transfer, started
 from tests.redis_server import RedisProcess, redis_server_fixture
+from tests.support.redis_process import free_port
 
 pytestmark = pytest.mark.integration
 
