@@ -109,14 +109,13 @@ def main() -> None:
     parser.add_argument("--prefill", required=True, help="base URL of the kv_producer instance")
     parser.add_argument("--decode", required=True, help="base URL of the kv_consumer instance")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     Proxy.prefill, Proxy.decode = args.prefill.rstrip("/"), args.decode.rstrip("/")
     server = ThreadingHTTPServer((args.host, args.port), Proxy)
-    logger.info(
-        "proxy on %s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode
-    )
+    host, port = server.server_address[:2]
+    logger.info("proxy on %s:%d: prefill %s, decode %s", host, port, args.prefill, args.decode)
     server.serve_forever()
 
 

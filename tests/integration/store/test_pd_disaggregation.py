@@ -12,6 +12,7 @@ recomputes, and says so in its counters.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,6 @@ import pytest
 from connectors.vllm.disaggregation import stored_params
 from lmcompact.bench.serve_instance import ROOT, ServeInstance, connector_transfer, started
 from tests.redis_server import RedisProcess, redis_server_fixture
-from tests.support.redis_process import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -76,16 +76,21 @@ def proxied(proxy_port: int, prompt: list[int]) -> dict[str, Any]:
         return dict(json.loads(response.read()))
 
 
-def wait_for_proxy(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
+def proxy_port(proc: subprocess.Popen[bytes], log: Path) -> int:
+    """The port the proxy bound (``--port 0``), read from its log line ``proxy on host:port``.
+
+    A port picked before the engines start can be taken by one of their own sockets meanwhile
+    (CI saw it once), so the proxy binds a free port itself and says which.
+    """
+    deadline = time.monotonic() + 60
     while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
-            return
-        except OSError:
-            assert proc.poll() is None, "the proxy exited"
-            assert time.monotonic() < deadline, "the proxy never answered"
-            time.sleep(0.2)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = re.search(r"proxy on [\d.]+:(\d+)", text)
+        if found:
+            return int(found.group(1))
+        assert proc.poll() is None, f"the proxy exited:\n{text[-2000:]}"
+        assert time.monotonic() < deadline, f"the proxy never started:\n{text[-2000:]}"
+        time.sleep(0.2)
 
 
 def test_consumer_loads_what_the_producer_stored(
@@ -98,15 +103,15 @@ def test_consumer_loads_what_the_producer_stored(
         smollm2_path, connector_transfer(options(redis_url), "kv_consumer"), tmp_path / "d.log"
     )
     reference = ServeInstance(smollm2_path, connector_transfer(options(None)), tmp_path / "ref.log")
-    port = free_port()
     proxy_command = [
         sys.executable, str(ROOT / "examples" / "pd_proxy.py"), "--prefill", producer.base,
-        "--decode", consumer.base, "--port", str(port),
+        "--decode", consumer.base, "--port", "0",
     ]  # fmt: skip
-    with started([producer, consumer, reference]):
-        proxy = subprocess.Popen(proxy_command, stderr=subprocess.DEVNULL)
+    proxy_log = tmp_path / "proxy.log"
+    with started([producer, consumer, reference]), proxy_log.open("w") as proxy_err:
+        proxy = subprocess.Popen(proxy_command, stderr=proxy_err)
         try:
-            wait_for_proxy(port, proxy)
+            port = proxy_port(proxy, proxy_log)
             answers = [proxied(port, prompt)["choices"][0]["text"] for prompt in prompts]
         finally:
             proxy.terminate()
