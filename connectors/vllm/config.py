@@ -141,6 +141,12 @@ class ReleaseOptions:
             kept in order after the hole when the hole opens during generation (block
             aligned); None: half the budget. The kept region is the rest of the budget (or
             the prompt's packed kept blocks).
+        protect_prompt: with a decode budget, count generated tokens only: the prompt's
+            full blocks kept at its prefill end (all of them with prefill ``"off"``) are
+            never dropped nor merged during generation, and a request holds them plus the
+            budget (what keeps a prompt's facts through a long generation,
+            ``docs/eval/recall_after_generation_smollm2.md``). Needs prefill ``"off"``, or
+            ``"pack"`` with decode policy ``"recent"``. False: one budget covers both.
         sink_blocks: leading blocks never dropped, >= 1.
         min_prompt_tokens: prompts shorter than this are not compacted at prefill end.
         per_head: ``{"slack": s, "layer_slack": r}`` (1 <= r <= s) keeps the policy's own
@@ -164,6 +170,7 @@ class ReleaseOptions:
     decode_policy: str = option("recent", text())
     decode_policy_params: Mapping[str, Any] | None = option(None, mapping(nullable=True))
     decode_recent_tokens: int | None = option(None, integer(1, nullable=True))
+    protect_prompt: bool = option(False, boolean())
     sink_blocks: int = option(1, integer(1))
     min_prompt_tokens: int = option(0, integer(0))
     per_head: Mapping[str, Any] | None = option(
@@ -191,6 +198,8 @@ class ReleaseOptions:
             raise ValueError(
                 f"{g}.decode_recent_tokens needs decode_policy 'h2o' or a decode score policy"
             )
+        if self.protect_prompt and self.decode_budget_tokens is None:
+            raise ValueError(f"{g}.protect_prompt needs decode_budget_tokens (it bounds the rest)")
         if self.merges:
             if self.decode_budget_tokens is None:
                 raise ValueError(f"{g}.decode_policy {name!r} needs decode_budget_tokens")
@@ -249,6 +258,16 @@ class ReleaseOptions:
                 f"{g}.decode_policy {self.decode_policy!r} needs a kept region, but prefill "
                 "mode 'blocks' leaves only the sink blocks before the hole; use prefill "
                 "'pack' or 'off'"
+            )
+        if self.protect_prompt and (
+            mode is PrefillMode.BLOCKS or (mode is PrefillMode.PACK and self.merges)
+        ):
+            raise ValueError(
+                f"{g}.protect_prompt with prefill mode {mode.value!r} and decode_policy "
+                f"{self.decode_policy!r}: a request has one hole, so a 'blocks' prefill would "
+                "drop the prompt's recent blocks and a merging decode after a 'pack' would "
+                "merge into the prompt's kept blocks; use prefill 'off' (policy 'none'), or "
+                "decode_policy 'recent' after a pack"
             )
         if self.per_head is not None and mode is not PrefillMode.PACK:
             raise ValueError(

@@ -96,10 +96,12 @@ class LMCompactConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if release is None:
             return
         logger.info(
-            "LMCompactConnector %s release: prefill=%s decode_budget=%s decode_policy=%s sinks=%d",
+            "LMCompactConnector %s release: prefill=%s decode_budget=%s%s decode_policy=%s "
+            "sinks=%d",
             role,
             config.release_mode.value,
             release.decode_budget_tokens,
+            " (generated tokens; prompt kept)" if release.protect_prompt else "",
             release.decode_policy,
             release.sink_blocks,
         )

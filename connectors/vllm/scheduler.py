@@ -848,7 +848,8 @@ class Scheduler:
         if grown and hole is not None and planner.decode_recent_blocks is not None:
             # a kept region of sinks only (a tiny prefill pack) has nothing to merge into
             first = hole.start if old_stop is None else old_stop
-            if hole.start > planner.sink_blocks and self._h2o_owned(req_id):
+            fixed = planner.merge_fixed_blocks(int(request.num_prompt_tokens), hole.start)
+            if hole.start > fixed and self._h2o_owned(req_id):
                 ids = [block.block_id for block in row]  # the merged blocks, before release
                 bs = self.block_size
                 self._next.merges.append(
@@ -856,7 +857,7 @@ class Scheduler:
                         req_id,
                         tuple(ids[: hole.start]),
                         tuple(ids[first : hole.stop]),
-                        planner.sink_blocks * bs,
+                        fixed * bs,
                         tuple(ids[hole.stop : -(-processed // bs)]),
                         processed - hole.stop * bs,
                     )
@@ -954,8 +955,10 @@ class Scheduler:
         hole = None if state is None else state.hole
         if hole is not None:
             kept, length, grows = hole.start, hole.length, hole.owned
+            protected = planner.protected_blocks(prompt_len, hole.start)
         else:
             kept, length = planner.fresh_hole(prompt_len)
+            protected = planner.protected_blocks(prompt_len, kept if length else None)
             # a compacted load about to be allocated opens a hole the budget cannot grow
             loading = state is not None and state.pending > 0
             grows = not (loading and self.slots < self.config.store.chunk_size)
@@ -966,6 +969,7 @@ class Scheduler:
             hole_blocks=length,
             kept_blocks=kept,
             decode_budget_blocks=planner.decode_budget_blocks if grows else None,
+            protected_blocks=protected,
             lookahead_tokens=self.spec.facts.lookahead_tokens,
             prompt_computed=int(request.num_computed_tokens) >= prompt_len,
         )

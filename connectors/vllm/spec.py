@@ -148,6 +148,7 @@ class ConnectorSpec:
             per_head_layer_slack=release.per_head_layer_slack() or 1.0,
             decode_recent_blocks=release.decode_recent_blocks(bs),
             holes=holes,
+            protect_prompt=release.protect_prompt,
         )
 
     def log_pack_geometry(self, planner: HolePlanner) -> None:

@@ -10,7 +10,7 @@ speculative tokens; 0 otherwise). Its *peak* is the most blocks it can ever hold
     prefill   cdiv(P + a, bs)                         the whole prompt, before its hole is back
                                                       (0 once the prompt is computed)
     growth    cdiv(P + M, bs) - hole                   up to max_tokens, minus the prompt's hole
-    bounded   max(B, S) + 1 + cdiv(a, bs)              with a decode budget of B blocks
+    bounded   max(B + K, S) + 1 + cdiv(a, bs)          with a decode budget of B blocks
 
     peak = max(prefill, growth)                         without a decode budget
     peak = max(prefill, min(growth, bounded))           with one
@@ -21,6 +21,10 @@ them when the blocks before the hole (``S``: a prefill pack's kept blocks) alrea
 ``B``; on top of those sit the block being filled and, with tokens in flight, the one after::
 
     logical blocks  [ S kept | hole ............... | <= max(B, S) - S full | filling | (next) ]
+
+With ``protect_prompt`` the budget counts generated blocks only: the ``K`` kept prompt blocks
+(``K = S`` after a pack, the prompt's full blocks without one) are held besides ``B``
+(``K = 0`` otherwise).
 
 Admission (``free`` blocks in the pool, running requests ``r`` holding ``held(r)`` blocks of
 their own): a new request is admitted only when::
@@ -55,6 +59,8 @@ class RequestShape:
         hole_blocks: blocks of the prompt's hole that go back to the pool (planned or
             estimated for a fresh prompt; 0 without one).
         kept_blocks: blocks before the hole (S), which a decode budget cannot drop.
+        protected_blocks: leading blocks the decode budget does not count (the kept prompt
+            with ``protect_prompt``; 0 otherwise): the request holds them besides B.
         decode_budget_blocks: B, full blocks the request may hold outside its hole during
             generation; None when its generation is not bounded.
         lookahead_tokens: tokens scheduled beyond the processed ones (async scheduling,
@@ -70,6 +76,7 @@ class RequestShape:
     hole_blocks: int = 0
     kept_blocks: int = 0
     decode_budget_blocks: int | None = None
+    protected_blocks: int = 0
     lookahead_tokens: int = 0
     prompt_computed: bool = False
 
@@ -79,8 +86,11 @@ class RequestShape:
                 f"block_size must be >= 1 and token counts >= 0, got {self.block_size}, "
                 f"{self.prompt_tokens}, {self.lookahead_tokens}"
             )
-        if self.hole_blocks < 0 or self.kept_blocks < 0:
-            raise ValueError(f"hole {self.hole_blocks} and kept {self.kept_blocks} must be >= 0")
+        if self.hole_blocks < 0 or self.kept_blocks < 0 or self.protected_blocks < 0:
+            raise ValueError(
+                f"hole {self.hole_blocks}, kept {self.kept_blocks} and protected "
+                f"{self.protected_blocks} blocks must be >= 0"
+            )
         if self.decode_budget_blocks is not None and self.decode_budget_blocks < 1:
             raise ValueError(f"decode_budget_blocks must be >= 1, got {self.decode_budget_blocks}")
 
@@ -104,7 +114,7 @@ class RequestShape:
         if self.decode_budget_blocks is None:
             return None
         tail = 1 + _cdiv(self.lookahead_tokens, self.block_size)
-        return max(self.decode_budget_blocks, self.kept_blocks) + tail
+        return max(self.decode_budget_blocks + self.protected_blocks, self.kept_blocks) + tail
 
     @property
     def peak_blocks(self) -> int:

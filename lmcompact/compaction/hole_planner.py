@@ -35,6 +35,13 @@ hole, the oldest block after the hole joins it::
 
 So a request holds at most ``budget_blocks`` full blocks plus the one being filled.
 
+With ``protect_prompt`` the budget counts generated blocks only: the prompt's kept full blocks
+(all of them without a prefill pack, those before the pack's hole with one) are never dropped
+or merged, a hole opened during generation starts after them, and a request holds at most
+those plus ``budget_blocks`` plus the one being filled::
+
+    [ prompt (whole) | hole ........ | newest generated ... | partial ]
+
 With ``decode_recent_blocks`` r (H2O decode), a hole opened during generation starts after
 ``budget_blocks - r`` blocks instead of the sinks, and every block about to join the hole is
 first merged into the kept region before it (the scheduler sends a
@@ -136,6 +143,9 @@ class HolePlanner:
         holes: where the holes live, per request id (the connector's scheduler passes its
             :attr:`connectors.vllm.requests.RequestStates.holes`); a dict of its own
             when None.
+        protect_prompt: the decode budget counts generated blocks only; the prompt's kept
+            full blocks stay (needs a decode budget; not with ``blocks`` prefill, nor with
+            a merging decode after a ``pack``: its kept region would be the prompt's).
     """
 
     def __init__(
@@ -150,6 +160,7 @@ class HolePlanner:
         decode_recent_blocks: int | None = None,
         holes: MutableMapping[str, HoleState] | None = None,
         per_head_layer_slack: float = 1.0,
+        protect_prompt: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -181,8 +192,19 @@ class HolePlanner:
                 f"decode_recent_blocks must leave more than sink_blocks={sink_blocks} of "
                 f"decode_budget_blocks={decode_budget_blocks}, got {decode_recent_blocks}"
             )
+        if protect_prompt and (
+            decode_budget_blocks is None
+            or prefill_mode is PrefillMode.BLOCKS
+            or (prefill_mode is PrefillMode.PACK and decode_recent_blocks is not None)
+        ):
+            raise ValueError(
+                "protect_prompt needs a decode budget, and prefill 'off' (or 'pack' with "
+                "the 'recent' decode policy): a 'blocks' prefill keeps prompt blocks after "
+                "its hole, and after a 'pack' a merging decode would merge into the prompt"
+            )
         self.decode_budget_blocks = decode_budget_blocks
         self.decode_recent_blocks = decode_recent_blocks
+        self.protect_prompt = protect_prompt
         self.per_head_slack = per_head_slack
         self.per_head_layer_slack = per_head_layer_slack
         self.min_prompt_blocks = max(2, min_prompt_blocks)
@@ -318,15 +340,15 @@ class HolePlanner:
             return False
         hole = self.holes.get(req_id)
         if hole is None:
-            start = self.sink_blocks
+            start = max(self.sink_blocks, self.protected_blocks(prompt_len, None))
             if self.decode_recent_blocks is not None:  # H2O: room for a kept region
-                start = budget - self.decode_recent_blocks
+                start = self.protected_blocks(prompt_len, None) + budget - self.decode_recent_blocks
             hole = HoleState(first_block, start, 0, visible_from=step, window_lead=start)
             self.holes[req_id] = hole
         if not hole.owned or hole.visible_from > step:
             return False
         full = processed_tokens // self.block_size
-        outside = full - hole.length
+        outside = full - hole.length - self.protected_blocks(prompt_len, hole.start)
         if hole.stop > full or outside <= budget:
             return False
         grow = min(outside - budget, full - hole.stop)
@@ -334,6 +356,20 @@ class HolePlanner:
         if grow > 0:
             hole.window_lead = hole.start  # the kept region no longer sits at its distance
         return grow > 0
+
+    def protected_blocks(self, prompt_len: int, hole_start: int | None) -> int:
+        """Leading full blocks the decode budget neither counts nor drops: with
+        ``protect_prompt`` the prompt's kept ones (those before a hole starting at
+        ``hole_start``, all of them when None), else 0."""
+        if not self.protect_prompt:
+            return 0
+        nb = prompt_len // self.block_size
+        return max(self.sink_blocks, nb if hole_start is None else min(hole_start, nb))
+
+    def merge_fixed_blocks(self, prompt_len: int, hole_start: int) -> int:
+        """Leading blocks of the kept region a decode merge never replaces: the sinks, or
+        with ``protect_prompt`` the prompt's kept blocks."""
+        return max(self.sink_blocks, self.protected_blocks(prompt_len, hole_start))
 
     # ------------------------------------------------------------------ queries
     def visible(self, req_id: str, step: int) -> HoleState | None:

@@ -9,7 +9,8 @@ with policy ``none`` for the prompt, so one budget bounds prompt and generation 
 with ``--prompt-budget p`` the prompt is packed by SnapKV to ``p`` at its end and the decode
 budget bounds what lies outside the hole: the ``S`` kept prompt tokens plus at most
 ``max(B, S) - S`` tokens after them (:mod:`lmcompact.compaction.admission`), so give budgets
-above ``S`` to keep generated text besides the prompt.
+above ``S`` to keep generated text besides the prompt. ``--protect-prompt`` sets
+``release.protect_prompt``: the budget then counts generated tokens only.
 The full cache is the same engine without the connector. Per cell: accuracy over every
 (sample, question), and on the forced tokens (from the ones after the budget is first
 reached) the share where the compacted engine's own top-1 equals the full cache's and the
@@ -59,10 +60,15 @@ class EngineCell:
     seconds: float
 
 
-def _extra(policy: str, budget: int, prompt_budget: float | None) -> dict[str, Any]:
+def _extra(
+    policy: str, budget: int, prompt_budget: float | None, protect_prompt: bool = False
+) -> dict[str, Any]:
     """One budget over prompt and generation (``prompt_budget`` None), or the prompt packed
-    by SnapKV at its end to ``prompt_budget`` and the decode budget over what follows."""
-    release = {"decode_budget_tokens": budget, "decode_policy": policy}
+    by SnapKV at its end to ``prompt_budget`` and the decode budget over what follows; with
+    ``protect_prompt`` the budget counts generated tokens only (the kept prompt stays)."""
+    release: dict[str, Any] = {"decode_budget_tokens": budget, "decode_policy": policy}
+    if protect_prompt:
+        release["protect_prompt"] = True
     if prompt_budget is None:
         return {"policy": "none", "store": False, "release": release}
     return {"policy": "snapkv", "budget": prompt_budget, "store": False,
@@ -72,7 +78,7 @@ def _extra(policy: str, budget: int, prompt_budget: float | None) -> dict[str, A
 def run_cell(
     model: str, tokenizer: Any, requests: list[tuple[list[int], list[int], str]],
     policy: str, budget: int | None, new_tokens: int, max_model_len: int,
-    prompt_budget: float | None = None,
+    prompt_budget: float | None = None, protect_prompt: bool = False,
 ) -> tuple[EngineCell, list[tuple[list[int], list[float]]]]:  # fmt: skip
     """All requests through one engine; returns the cell and per request (top-1, log-probs)
     over its forced tokens."""
@@ -80,7 +86,7 @@ def run_cell(
     from connectors.vllm.offline import engine
 
     began = time.perf_counter()
-    extra = None if budget is None else _extra(policy, budget, prompt_budget)
+    extra = None if budget is None else _extra(policy, budget, prompt_budget, protect_prompt)
     with engine(model, extra, max_model_len=max_model_len, logits_processors=[ForcedTokens]) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": prompt} for prompt, _, _ in requests],
@@ -159,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
         "bounds the kept prompt plus what follows (default: one budget over prompt and "
         "generation, the prompt not packed)",
     )  # fmt: skip
+    parser.add_argument(
+        "--protect-prompt", action="store_true",
+        help="release.protect_prompt: the decode budget counts generated tokens only, the "
+        "prompt (or its packed kept tokens) stays whole",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if any(b % BLOCK for b in args.budgets):
         raise SystemExit(f"--budgets must be multiples of the block size {BLOCK}")
@@ -177,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
             forced = generated.tolist() + list(stored.question_ids[index])
             requests.append((stored.context_ids, forced, fact.passkey))
             # agreement counts the steps once compaction began: at once with a packed
-            # prompt, else once the sequence passed the smallest budget
-            first = min(args.budgets) - len(stored.context_ids)
+            # prompt, else once the sequence (or with a protected prompt, the generated
+            # tokens) passed the smallest budget
+            first = min(args.budgets) - (0 if args.protect_prompt else len(stored.context_ids))
             skip.append(0 if args.prompt_budget is not None else max(0, first))
     longest = max(len(p) + len(f) for p, f, _ in requests) + args.new_tokens
     max_model_len = -(-longest // BLOCK) * BLOCK
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy, budget in tqdm(plans, desc="cells"):
         cell, steps = run_cell(
             model, tokenizer, requests, policy, budget, args.new_tokens, max_model_len,
-            args.prompt_budget,
+            args.prompt_budget, args.protect_prompt,
         )  # fmt: skip
         if budget is None:
             full_steps = steps
@@ -206,8 +218,11 @@ def main(argv: list[str] | None = None) -> None:
         "depths": list(DEPTHS),
         "seed": args.seed,
         "prompt_budget": args.prompt_budget,
+        "protect_prompt": args.protect_prompt,
         "budget_covers": (
-            "prompt and generated tokens together (policy none at prefill)"
+            "generated tokens only (release.protect_prompt: the prompt's kept tokens stay)"
+            if args.protect_prompt
+            else "prompt and generated tokens together (policy none at prefill)"
             if args.prompt_budget is None
             else "the packed prompt's kept tokens plus the tokens after them (prompt packed "
             "by snapkv to prompt_budget at its end)"
@@ -220,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model} in vLLM: facts in a {args.context}-token prompt, asked after "
         f"{args.generated} more decoded tokens"
         + ("" if args.prompt_budget is None else f" (prompt packed to {args.prompt_budget:g})")
+        + (", budget over generated tokens" if args.protect_prompt else "")
     )
     plot(cells, args.out.with_suffix(".png"), title)
     for c in cells:

@@ -50,6 +50,7 @@ def shape_for(
         hole_blocks=hole,
         kept_blocks=kept,
         decode_budget_blocks=planner.decode_budget_blocks,
+        protected_blocks=planner.protected_blocks(prompt, kept if hole else None),
         lookahead_tokens=lookahead,
     )
 
@@ -85,6 +86,52 @@ def test_peak_is_the_most_blocks_the_planner_ever_leaves_held(case: tuple, looka
         # the growth term counts cdiv(P + M): one token more than is ever computed
         slack = cdiv(prompt + max_tokens, BS) - cdiv(prompt + max_tokens - 1, BS)
         assert shape.peak_blocks - max(held) <= slack
+
+
+PROTECTED_CASES = [
+    # (prefill mode, prefill budget, decode budget blocks, h2o recent blocks, prompt, max_tokens)
+    (PrefillMode.OFF, 1.0, 8, None, 1000, 1000),  # whole prompt (31 blocks) + 8
+    (PrefillMode.OFF, 1.0, 8, 3, 1000, 1000),  # merging decode after the whole prompt
+    (PrefillMode.OFF, 1.0, 8, None, 20, 1000),  # prompt under one block: the sink stays
+    (PrefillMode.PACK, 0.25, 8, None, 1024, 700),  # packed to 8, then 8 generated
+    (PrefillMode.PACK, 0.5, 4, None, 330, 1200),  # kept 5 blocks + 4
+    (PrefillMode.PACK, 0.25, 16, None, 1024, 100),  # ends before the budget binds
+]
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+@pytest.mark.parametrize(
+    "case", PROTECTED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4]}"
+)
+def test_protected_prompt_peak_is_the_kept_prompt_plus_the_budget(
+    case: tuple, lookahead: int
+) -> None:
+    """With ``protect_prompt`` the peak is what the planner leaves held (the kept prompt, the
+    budget's generated blocks and the one filling), and nothing of the prompt is dropped."""
+    mode, budget, decode_blocks, recent, prompt, max_tokens = case
+    planner = HolePlanner(
+        BS,
+        mode,
+        budget,
+        decode_budget_blocks=decode_blocks,
+        decode_recent_blocks=recent,
+        protect_prompt=True,
+    )
+    shape = shape_for(planner, prompt, max_tokens, lookahead)
+    held = held_over_time(planner, prompt, max_tokens, lookahead)
+    assert max(held) <= shape.peak_blocks
+    if lookahead == 0:
+        slack = cdiv(prompt + max_tokens, BS) - cdiv(prompt + max_tokens - 1, BS)
+        assert shape.peak_blocks - max(held) <= slack
+    hole = planner.holes.get("r")
+    if mode is PrefillMode.OFF:
+        assert shape.protected_blocks == max(1, prompt // BS)
+        assert hole is None or hole.start >= shape.protected_blocks  # the whole prompt stays
+    else:
+        assert shape.protected_blocks == shape.kept_blocks  # the pack's kept blocks
+    if max_tokens > (decode_blocks + 2) * BS:  # the budget binds: kept prompt + B + filling
+        assert max(held[1:]) == shape.bounded_blocks
+        assert shape.bounded_blocks == shape.protected_blocks + decode_blocks + 1 + lookahead
 
 
 def test_decode_budget_bounds_the_peak_below_growth() -> None:

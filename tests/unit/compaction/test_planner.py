@@ -129,6 +129,15 @@ def test_store_load_holes_are_never_grown() -> None:
         ({"sink_blocks": 0}, "sink_blocks"),
         ({"decode_budget_blocks": 1}, "decode_budget_blocks"),
         ({"per_head_slack": 0.9}, "per_head_slack"),
+        ({"protect_prompt": True}, "protect_prompt needs a decode budget"),
+        (
+            {"protect_prompt": True, "decode_budget_blocks": 8, "prefill_mode": PrefillMode.BLOCKS},
+            "protect_prompt",
+        ),
+        (
+            {"protect_prompt": True, "decode_budget_blocks": 8, "decode_recent_blocks": 4},
+            "protect_prompt",
+        ),  # a merging decode after a pack
     ],
 )
 def test_bad_settings_raise(kwargs: dict, match: str) -> None:
@@ -171,3 +180,52 @@ def test_decode_keeps_budget_and_hole_invariants(
             continue
         assert hole.start >= 1 and hole.stop <= full
         assert full - hole.length <= max(decode_budget, hole.start)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_blocks=st.integers(0, 40),
+    extra=st.integers(0, 31),
+    decode_budget=st.integers(3, 12),
+    recent=st.sampled_from([None, 1]),
+    mode=st.sampled_from([PrefillMode.OFF, PrefillMode.PACK]),
+    advances=st.lists(st.integers(1, 70), min_size=1, max_size=40),
+)
+def test_protected_prompt_is_kept_and_the_budget_bounds_generated_blocks(
+    prompt_blocks: int,
+    extra: int,
+    decode_budget: int,
+    recent: int | None,
+    mode: PrefillMode,
+    advances: list[int],
+) -> None:
+    """``protect_prompt``: the prompt's kept full blocks never join the hole, and after every
+    step at most the decode budget of other full blocks stays outside it."""
+    recent = None if mode is PrefillMode.PACK else recent
+    planner = HolePlanner(
+        BS,
+        mode,
+        budget=0.25,
+        decode_budget_blocks=decode_budget,
+        decode_recent_blocks=recent,
+        protect_prompt=True,
+    )
+    prompt_len = prompt_blocks * BS + extra
+    planner.prefill_end("r", prompt_len, 5, step=0)
+    packed = planner.holes.get("r")
+    kept_prompt = prompt_blocks if packed is None else packed.start
+    processed = prompt_len
+    for step, advance in enumerate(advances, start=1):
+        processed += advance
+        planner.grow_for_decode("r", 5, prompt_len, processed, step)
+        full = processed // BS
+        hole = planner.holes.get("r")
+        if hole is None or hole.length == 0:
+            assert full - max(1, kept_prompt) <= decode_budget
+            continue
+        assert hole.start >= max(1, kept_prompt) and hole.stop <= full
+        if packed is not None:
+            assert hole.start == packed.start  # the pack's hole only grows at its end
+        generated = full - hole.length - max(1, kept_prompt)
+        assert generated <= decode_budget
+        assert planner.protected_blocks(prompt_len, hole.start) == max(1, kept_prompt)

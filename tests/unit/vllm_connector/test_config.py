@@ -218,6 +218,21 @@ def test_config_h2o_options() -> None:
         )
 
 
+def test_protect_prompt_rules() -> None:
+    """``protect_prompt`` needs a decode budget, and a prefill that leaves the prompt's kept
+    blocks before the one hole: ``off``, or ``pack`` with the ``recent`` decode policy."""
+    with pytest.raises(ValueError, match="protect_prompt needs decode_budget_tokens"):
+        parse(ReleaseOptions, {"protect_prompt": True}, "release")
+    recent = ReleaseOptions(decode_budget_tokens=64, protect_prompt=True)
+    merging = ReleaseOptions(decode_budget_tokens=64, decode_policy="rkv", protect_prompt=True)
+    assert recent.prefill_mode("snapkv", True) is PrefillMode.PACK
+    assert merging.prefill_mode("none", False) is PrefillMode.OFF
+    with pytest.raises(ValueError, match="protect_prompt with prefill mode 'pack'"):
+        merging.prefill_mode("snapkv", True)
+    with pytest.raises(ValueError, match="protect_prompt with prefill mode 'blocks'"):
+        recent.prefill_mode("streaming_llm", True)
+
+
 def test_unknown_option_lists_every_allowed_key() -> None:
     """The groups are named among the allowed keys, not only the rule fields."""
     with pytest.raises(
