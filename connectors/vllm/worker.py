@@ -1106,7 +1106,8 @@ class Worker:
         if self._planner().per_head_slack is not None:
             refused.append(f"{g}.per_head (per-head counts)")
         if self._planner().decode_recent_blocks is not None:
-            refused.append(f"{g}.decode_policy 'h2o'")
+            name = self.config.release.decode_policy if self.config.release else "h2o"
+            refused.append(f"{g}.decode_policy {name!r} (a merging decode policy)")
         if self.config.two_stage:
             refused.append("store.compact_on 'both' (two-stage loads)")
         if refused:

@@ -25,7 +25,10 @@ def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> Non
 
     try:
         with (
-            pytest.raises(ValueError, match=r"decode_policy 'h2o' cannot be exact .*sliding"),
+            pytest.raises(
+                ValueError,
+                match=r"decode_policy 'h2o' \(a merging decode policy\) cannot be exact .*sliding",
+            ),
             release_engine(str(gemma3_path), extra, max_model_len=1024),
         ):
             pass
