@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if any(b % BLOCK for b in args.budgets):
         raise SystemExit(f"--budgets must be multiples of the block size {BLOCK}")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from connectors.vllm.offline import in_process_env
+
+    in_process_env()  # one process, and a 2 GiB KV pool rather than most of the machine's memory
     from transformers import AutoTokenizer
 
     from lmcompact.hf.prepare import prepare_model

@@ -45,15 +45,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@pytest.mark.parametrize("decode_policy", ["recent", "h2o"])
+@pytest.mark.parametrize("decode_policy", ["recent", "h2o", "recent-protect_prompt"])
 def test_decode_budget_admission_fills_the_pool_without_preemption(
     smollm2_path: Path, decode_policy: str
 ) -> None:
+    """``recent-protect_prompt``: the budget (3 blocks) counts generated blocks only, so a
+    computed prompt reserves its 4 kept blocks + 3 + 1."""
     base = text_prompt(smollm2_path, PROMPT_TOKENS + 12)
     prompts = {f"r{i}": base[i : i + PROMPT_TOKENS] for i in range(12)}
-    release: dict[str, Any] = {"prefill": "pack", "decode_budget_tokens": BUDGET_TOKENS}
+    protect = decode_policy.endswith("protect_prompt")
+    budget_tokens = 3 * BLOCK_SIZE if protect else BUDGET_TOKENS
+    release: dict[str, Any] = {"prefill": "pack", "decode_budget_tokens": budget_tokens}
     if decode_policy == "h2o":
         release |= {"decode_policy": "h2o", "decode_recent_tokens": 2 * BLOCK_SIZE}
+    if protect:
+        release |= {"protect_prompt": True}
     extra = {"policy": "snapkv", "budget": 0.5, "window": 16, "store": False, "release": release}
     kept_blocks, hole_blocks = 4, 4
     bounded = RequestShape(
@@ -62,12 +68,14 @@ def test_decode_budget_admission_fills_the_pool_without_preemption(
         BLOCK_SIZE,
         hole_blocks=hole_blocks,
         kept_blocks=kept_blocks,
-        decode_budget_blocks=BUDGET_TOKENS // BLOCK_SIZE,
+        decode_budget_blocks=budget_tokens // BLOCK_SIZE,
+        protected_blocks=kept_blocks if protect else 0,
     )
     growth = RequestShape(
         PROMPT_TOKENS, NEW_TOKENS, BLOCK_SIZE, hole_blocks=hole_blocks, kept_blocks=kept_blocks
     )
     assert (bounded.peak_blocks, growth.peak_blocks) == (8, 14)
+    assert bounded.bounded_blocks == (4 + 3 + 1 if protect else 6 + 1)
 
     with release_engine(
         str(smollm2_path),
