@@ -82,8 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-budget-tokens",
         type=int,
         default=None,
-        help="release.decode_budget_tokens: generated tokens a request may hold (long "
-        "generation); None: unbounded",
+        help="release.decode_budget_tokens: full-block tokens a request may hold outside its "
+        "hole during generation, its kept prompt included (long generation); None: unbounded",
+    )
+    parser.add_argument(
+        "--protect-prompt",
+        action="store_true",
+        help="release.protect_prompt: the decode budget counts generated tokens only",
     )
     parser.add_argument(
         "--decode-policy",
@@ -272,8 +277,10 @@ def run(args: argparse.Namespace) -> int:
             memory["decode_budget_tokens"] = args.decode_budget_tokens
             if args.decode_policy is not None:
                 memory["decode_policy"] = args.decode_policy
-        elif args.decode_policy is not None:
-            raise ValueError("--decode-policy needs --decode-budget-tokens")
+            if args.protect_prompt:
+                memory["protect_prompt"] = True
+        elif args.decode_policy is not None or args.protect_prompt:
+            raise ValueError("--decode-policy and --protect-prompt need --decode-budget-tokens")
 
         def show(name: str, result: dict[str, Any]) -> None:
             print(format_table([_row(name, result)]), file=sys.stderr, flush=True)
