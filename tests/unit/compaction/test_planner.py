@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,6 +148,18 @@ def test_bad_settings_raise(kwargs: dict, match: str) -> None:
         HolePlanner(**args)
 
 
+def decode_steps(
+    planner: HolePlanner, prompt_len: int, advances: list[int]
+) -> Iterator[tuple[int, HoleState | None]]:
+    """Drive request "r" (first block 5) through decode steps that process ``advances``
+    tokens each; yield its full blocks and hole after each step's growth."""
+    processed = prompt_len
+    for step, advance in enumerate(advances, start=1):
+        processed += advance
+        planner.grow_for_decode("r", 5, prompt_len, processed, step)
+        yield processed // BS, planner.holes.get("r")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompt_blocks=st.integers(1, 40),
@@ -169,12 +183,7 @@ def test_decode_keeps_budget_and_hole_invariants(
     planner = HolePlanner(BS, mode, budget=budget, decode_budget_blocks=decode_budget)
     prompt_len = prompt_blocks * BS + extra
     planner.prefill_end("r", prompt_len, 5, step=0)
-    processed = prompt_len
-    for step, advance in enumerate(advances, start=1):
-        processed += advance
-        planner.grow_for_decode("r", 5, prompt_len, processed, step)
-        full = processed // BS
-        hole = planner.holes.get("r")
+    for full, hole in decode_steps(planner, prompt_len, advances):
         if hole is None:
             assert full <= decode_budget
             continue
@@ -214,12 +223,7 @@ def test_protected_prompt_is_kept_and_the_budget_bounds_generated_blocks(
     planner.prefill_end("r", prompt_len, 5, step=0)
     packed = planner.holes.get("r")
     kept_prompt = prompt_blocks if packed is None else packed.start
-    processed = prompt_len
-    for step, advance in enumerate(advances, start=1):
-        processed += advance
-        planner.grow_for_decode("r", 5, prompt_len, processed, step)
-        full = processed // BS
-        hole = planner.holes.get("r")
+    for full, hole in decode_steps(planner, prompt_len, advances):
         if hole is None or hole.length == 0:
             assert full - max(1, kept_prompt) <= decode_budget
             continue
