@@ -294,3 +294,43 @@ def run_kvpress_eval(
         if progress is not None:
             progress.update(1)
     return rows, info
+
+
+def run_kvpress_decoding(
+    folder: str,
+    cases: list[dict[str, Any]],
+    budgets: list[int | None],
+    interval: int,
+    new_tokens: int,
+    window_size: int = 32,
+    kernel_size: int = 7,
+    threads: int | None = None,
+    python: str | None = None,
+) -> dict[str, Any]:
+    """Teacher-force each case (``{"prompt_ids", "generated_ids", "question_ids"}``) through
+    kvpress's ``DecodingPress`` (SnapKV scorer, ``compression_interval=interval``,
+    ``target_size`` = each budget; None: the full cache) in the kvpress venv
+    (:mod:`lmcompact.eval.kvpress_decoding_worker`): the worker's output, per run and case
+    the top-1 and forced-token log-prob of every forced token and the greedy answers.
+
+    Raises:
+        RuntimeError: The worker stopped before finishing every run.
+    """
+    job = {
+        "model": folder,
+        "threads": threads,
+        "new_tokens": new_tokens,
+        "interval": interval,
+        "window_size": window_size,
+        "kernel_size": kernel_size,
+        "runs": [
+            {"name": "full cache" if b is None else f"DecodingPress {b}", "target_size": b}
+            for b in budgets
+        ],
+        "cases": cases,
+    }
+    logger.info("running kvpress DecodingPress: %d runs x %d cases", len(budgets), len(cases))
+    output, code = run_worker("kvpress_decoding_worker.py", job, python)
+    if not output.get("done"):
+        raise RuntimeError(f"kvpress decoding worker stopped (exit code {code})")
+    return output
