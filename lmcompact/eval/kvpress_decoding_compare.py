@@ -327,36 +327,26 @@ def main(argv: list[str] | None = None) -> None:
     }
     reference = kv_runs[None]
     cells: list[Cell] = []
+
+    def cell(impl: str, policy: str, budget: int | None, runs: list[CaseRun]) -> Cell:
+        agree, gap, n = cell_metrics(reference, runs, positions, budget)
+        return Cell(
+            impl=impl,
+            policy=policy,
+            budget=budget,
+            accuracy=accuracy(tokenizer, cases, runs),
+            questions=sum(len(r.answers) for r in runs),
+            top1_agreement=agree,
+            mean_abs_logprob_gap=gap,
+            tokens_compared=n,
+            seconds=sum(r.seconds for r in runs),
+        )
+
     for budget, runs in kv_runs.items():
-        agree, gap, n = cell_metrics(reference, runs, positions, budget)
-        cells.append(
-            Cell(
-                impl="kvpress",
-                policy=FULL if budget is None else "DecodingPress+SnapKV",
-                budget=budget,
-                accuracy=accuracy(tokenizer, cases, runs),
-                questions=sum(len(r.answers) for r in runs),
-                top1_agreement=agree,
-                mean_abs_logprob_gap=gap,
-                tokens_compared=n,
-                seconds=sum(r.seconds for r in runs),
-            )
-        )
+        policy = FULL if budget is None else "DecodingPress+SnapKV"
+        cells.append(cell("kvpress", policy, budget, runs))
     for (policy, budget), runs in ours.items():
-        agree, gap, n = cell_metrics(reference, runs, positions, budget)
-        cells.append(
-            Cell(
-                impl="lmcompact",
-                policy=policy,
-                budget=budget,
-                accuracy=accuracy(tokenizer, cases, runs),
-                questions=sum(len(r.answers) for r in runs),
-                top1_agreement=agree,
-                mean_abs_logprob_gap=gap,
-                tokens_compared=n,
-                seconds=sum(r.seconds for r in runs),
-            )
-        )
+        cells.append(cell("lmcompact", policy, budget, runs))
     import transformers
 
     full_check = next(c for c in cells if c.impl == "lmcompact" and c.budget is None)
