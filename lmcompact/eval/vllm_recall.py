@@ -57,6 +57,7 @@ class EngineCell:
     mean_abs_logprob_gap: float | None
     answers: list[str]
     seconds: float
+    tokens_compared: int = 0
 
 
 def _extra(
@@ -128,7 +129,8 @@ def compare(
             gaps.append(abs(lps[i] - full_lps[i]))
     n = max(len(gaps), 1)
     return EngineCell(**{**asdict(cell), "top1_agreement": same / n,
-                         "mean_abs_logprob_gap": sum(gaps) / n})  # fmt: skip
+                         "mean_abs_logprob_gap": sum(gaps) / n,
+                         "tokens_compared": len(gaps)})  # fmt: skip
 
 
 def plot(cells: list[EngineCell], path: Path, title: str) -> None:
@@ -181,18 +183,25 @@ def main(argv: list[str] | None = None) -> None:
 
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    requests, skip = [], []
+    requests, counted = [], []
     for stored, generated in build_cases(
         tokenizer, args.context, args.generated, args.samples, args.seed
     ):
         for index, fact in enumerate(stored.needles):
             forced = generated.tolist() + list(stored.question_ids[index])
             requests.append((stored.context_ids, forced, fact.passkey))
-            # agreement counts the steps once compaction began: at once with a packed
-            # prompt, else once the sequence (or with a protected prompt, the generated
-            # tokens) passed the smallest budget
-            first = min(args.budgets) - (0 if args.protect_prompt else len(stored.context_ids))
-            skip.append(0 if args.prompt_budget is not None else max(0, first))
+            # tokens the budget counts before the first forced one: the prompt, unless it
+            # is protected (only generated tokens count) or packed (compacted at once)
+            counted.append(0 if args.protect_prompt else len(stored.context_ids))
+
+    def skip(budget: int | None) -> list[int]:
+        """Per request, the first forced step a cell's budget binds at (its agreement and
+        gap count from there): at once with a packed prompt, else once the counted tokens
+        exceed the budget."""
+        if args.prompt_budget is not None or budget is None:
+            return [0] * len(counted)
+        return [max(0, budget - before) for before in counted]
+
     longest = max(len(p) + len(f) for p, f, _ in requests) + args.new_tokens
     max_model_len = -(-longest // BLOCK) * BLOCK
     plans: list[tuple[str, int | None]] = [(FULL, None)]
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         if budget is None:
             full_steps = steps
-        cell = compare(cell, steps, full_steps, skip)
+        cell = compare(cell, steps, full_steps, skip(budget))
         logger.info("%s %s: accuracy %.3f, agreement %.3f", policy, budget, cell.accuracy,
                     cell.top1_agreement)  # fmt: skip
         cells.append(cell)
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     for c in cells:
         print(f"{c.policy:>16} {c.budget!s:>6} accuracy {c.accuracy:.3f} (n={c.n}) "
               f"agreement {c.top1_agreement:.3f} gap {c.mean_abs_logprob_gap:.3f} "
+              f"over {c.tokens_compared} tokens "
               f"{c.seconds:.0f} s")  # fmt: skip
 
 

@@ -37,3 +37,4 @@ def test_agreement_counts_the_steps_from_each_requests_first_compacted_one() -> 
     # request 0 from step 1: 2 of 3 agree; request 1: 1 of 2 -> 3 of 5
     assert out.top1_agreement == pytest.approx(3 / 5)
     assert out.mean_abs_logprob_gap == pytest.approx((0.25 + 0 + 1.0 + 0 + 1.0) / 5)
+    assert out.tokens_compared == 5
