@@ -147,7 +147,8 @@ def plot(cells: list[EngineCell], path: Path, title: str) -> None:
         left.plot(budgets, [row[b].accuracy for b in budgets], marker="o", label=policy)
         right.plot(budgets, [row[b].top1_agreement for b in budgets], marker="o", label=policy)
     left.axhline(full.accuracy, color="gray", ls="--", label=FULL)
-    left.set(xlabel="decode budget (tokens)", ylabel="accuracy", title="recall after generation")
+    left.set(xlabel="decode budget (tokens)", ylabel="accuracy", title="recall after generation",
+             ylim=(-0.05, 1.05))  # fmt: skip
     right.set(xlabel="decode budget (tokens)", ylabel="top-1 agreement with the full cache",
               title="forced tokens past the budget")  # fmt: skip
     left.legend()
