@@ -22,6 +22,7 @@ def ragged_attention(
     *,
     scale: float | None = None,
     return_key_mass: bool = False,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of ``queries`` over the kept tokens of ``layer``.
 
@@ -31,6 +32,8 @@ def ragged_attention(
         query_positions: ``(B, S)`` logical positions of the queries.
         scale: Softmax scale (default ``1 / sqrt(D)``).
         return_key_mass: Also return the attention mass each kept key received.
+        window: Sliding-window layers: a query sees only kept keys less than ``window``
+            positions behind it (by logical position); None: every earlier key.
 
     Returns:
         Output ``(B, Hq, S, D)`` in the queries' dtype (zeros for a query that
@@ -55,9 +58,11 @@ def ragged_attention(
     keys, values, positions, mask = layer.padded()  # (B, Hkv, L, D), (B, Hkv, L)
     q = queries.float().view(b, hkv, group, s, d)
     logits = torch.einsum("bhgsd,bhld->bhgsl", q, keys.float()) * scale
-    visible = mask[:, :, None, None, :] & (
-        positions[:, :, None, None, :] <= query_positions.view(b, 1, 1, s, 1).to(positions.device)
-    )
+    query_at = query_positions.view(b, 1, 1, s, 1).to(positions.device)
+    key_at = positions[:, :, None, None, :]
+    visible = mask[:, :, None, None, :] & (key_at <= query_at)
+    if window is not None:
+        visible &= key_at > query_at - window
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
     out = torch.einsum("bhgsl,bhld->bhgsd", probs, values.float())

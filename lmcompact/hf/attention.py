@@ -65,15 +65,22 @@ def causal_sdpa(
 ) -> torch.Tensor:
     """Causal SDPA with the causal diagonal aligned bottom-right; output ``(B, S, Hq, D)``.
 
+    A sliding-window layer (transformers passes ``sliding_window=W``) sees only keys less
+    than ``W`` positions behind each query, as transformers' own masks do.
+
     Args:
         query: ``(B, Hq, S, D)``; key, value: ``(B, Hkv, T, D)`` with ``T >= S``.
     """
     s, t = query.shape[2], key.shape[2]
+    window = kwargs.pop("sliding_window", None)
     mask = None
-    if s > 1 and s != t:
-        offset = t - s
-        mask = torch.ones(s, t, dtype=torch.bool, device=query.device).tril(diagonal=offset)
-        mask = mask[None, None]
+    if (s > 1 and s != t) or (window is not None and t > window):
+        query_at = torch.arange(t - s, t, device=query.device)[:, None]
+        key_at = torch.arange(t, device=query.device)[None, :]
+        visible = key_at <= query_at
+        if window is not None:
+            visible &= key_at > query_at - int(window)
+        mask = visible[None, None]
     out, _ = sdpa_attention_forward(
         module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs
     )

@@ -138,6 +138,7 @@ class CompactingLayer(CacheLayerMixin):
             self.query_positions,
             scale=scaling,
             return_key_mass=self.key_mass,
+            window=kwargs.get("sliding_window"),
         )
         if mass is not None:
             self.last_mass = mass

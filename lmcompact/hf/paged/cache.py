@@ -91,6 +91,13 @@ class PagedCache(Cache):
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
+            # its decode kernels attend to every kept key; a sliding layer must not
+            raise ValueError(
+                "PagedCache does not mask sliding-window layers (this model has some, e.g. "
+                "Gemma-3); use CompactingCache or transformers' own caches for it"
+            )
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.shared = SharedPool(
