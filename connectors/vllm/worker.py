@@ -1143,6 +1143,7 @@ class Worker:
                     job.req_id,
                     self.config.policy,
                 )
+            timings: dict[str, float] = {}
             chosen = pack_in_place(
                 layers,
                 self.layout,
@@ -1156,11 +1157,12 @@ class Worker:
                 start=job.start,
                 fp8=self.fp8_pages(),
                 head_cap=self._planner().head_cap(job.kept, job.num_tokens),
+                timings=timings,
             )
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
-            self._done(job, time.perf_counter() - began)
+            self._done(job, time.perf_counter() - began, timings=timings)
             self._pack_times.append((time.perf_counter() - began, None, None))
 
     def _device_pack(self, job: wire.PackJob, window: WindowQueries | None, began: float) -> None:
@@ -1187,13 +1189,26 @@ class Worker:
         self.pack_stats["device_packs"] += 1
         self._pack_times.append((host, start, end))
 
-    def _done(self, job: wire.PackJob, seconds: float, on_device: bool = False) -> None:
-        """A pack ran (reference) or was launched (``on_device``): its hole may go back; one
-        INFO line on either path."""
+    def _done(
+        self,
+        job: wire.PackJob,
+        seconds: float,
+        on_device: bool = False,
+        timings: dict[str, float] | None = None,
+    ) -> None:
+        """A pack ran (reference, ``timings`` its parts) or was launched (``on_device``):
+        its hole may go back; one INFO line on either path."""
+        parts = f", launched in {seconds:.3f} s" if on_device else f" in {seconds:.3f} s"
+        if timings:
+            parts += (
+                f" (scores {timings.get('score_s', 0.0):.3f} s, plans "
+                f"{timings.get('plan_s', 0.0):.3f} s over {int(timings.get('plans', 0))} asks)"
+            )
         logger.info(
-            "compacted %s in place%s: kept %d of %d prompt tokens per (layer, head) (%s)%s",
+            "compacted %s in place%s%s: kept %d of %d prompt tokens per (layer, head) (%s)%s",
             job.req_id,
             " on the device" if on_device else "",
+            parts,
             job.start + job.kept,
             job.start + job.num_tokens + job.hole_tokens,
             self.config.policy,

@@ -26,6 +26,7 @@ Engine-free: torch, the page layout and an lmcompact policy.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -67,6 +68,7 @@ def plan_pack(
     recent_layers: frozenset[int] = frozenset(),
     start: int = 0,
     head_cap: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Kept token indices per (layer, head), sorted, relative to the span's first token.
 
@@ -88,6 +90,9 @@ def plan_pack(
             key index is the logical one. Not with ``reserved``.
         start: absolute position of the span's first token (window positions are absolute).
         head_cap: with ``reserved``, most tokens one (layer, head) keeps; None: ``reserved``.
+        timings: if given, ``score_s`` (reading and scoring the layers), ``plan_s`` (the
+            policy's plans and the clipping) and ``plans`` (plans the budget search asked)
+            grow.
     """
     if recent_layers and reserved is not None:
         raise ValueError("per-head counts (reserved) cannot be combined with recent_layers")
@@ -99,6 +104,7 @@ def plan_pack(
     # (the connector refuses it for the pack)
     observed = needs & ~Need.WINDOW_QUERIES
     observations = []
+    began = time.perf_counter()
     for index, (keys, values) in enumerate(per_layer):
         queries = None
         if window is not None:
@@ -118,9 +124,30 @@ def plan_pack(
             )
         )
 
+    if timings is not None and num_tokens and per_layer[0][0].is_cuda:
+        torch.cuda.synchronize()  # bill the asynchronous scoring to score_s, not plan_s
+    scored_at = time.perf_counter()
+    if timings is not None:
+        timings["score_s"] = timings.get("score_s", 0.0) + scored_at - began
+        timings["plans"] = timings.get("plans", 0.0)
+
+    cap = reserved if head_cap is None or reserved is None else head_cap
+
     def plan_for(ask: int) -> KeepPlan:
+        if timings is not None:
+            timings["plans"] += 1
         return policy.plan(
-            compaction_inputs(needs, observations, num_tokens, num_heads, budget_tokens=ask)
+            compaction_inputs(
+                needs,
+                observations,
+                num_tokens,
+                num_heads,
+                budget_tokens=ask,
+                # policies that read the caps (Ada-KV, kvzip ragged) fit the cells in one
+                # plan; the others are clipped below
+                max_tokens=cap,
+                max_layer_tokens=None if reserved is None else reserved * num_heads,
+            )
         )
 
     plan = plan_for(kept).with_recent(recent_layers, kept)
@@ -132,12 +159,12 @@ def plan_pack(
             for layer in layers
         ]
 
-    cap = reserved if head_cap is None else head_cap
+    limit = reserved if cap is None else cap
 
     def clipped(plan: KeepPlan) -> list[list[torch.Tensor]]:
         return [
             fit_layer(
-                [_clip(plan.kept[layer][head], cap, num_tokens) for head in heads],
+                [_clip(plan.kept[layer][head], limit, num_tokens) for head in heads],
                 reserved * num_heads,
                 num_tokens,
             )
@@ -241,6 +268,7 @@ def pack_in_place(
     start: int = 0,
     fp8: Fp8Pages | None = None,
     head_cap: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Pack each (layer, head)'s kept tokens of ``[start, start + num_tokens)`` into slots
     ``[start, start + kept)``; slots before ``start`` are neither read nor written.
@@ -264,6 +292,8 @@ def pack_in_place(
         fp8: the caches hold fp8 bytes: the policy scores their decoded numbers, and the
             bytes move untouched. Not with ``reserved``.
         head_cap: with ``reserved``, most tokens one (layer, head) keeps; None: ``reserved``.
+        timings: a fresh dict to fill with ``score_s``, ``plan_s`` and ``plans``
+            (:func:`plan_pack`); the caller times the whole pack.
 
     Returns:
         The kept indices per (layer, head); with ``reserved`` their lengths are the counts
@@ -291,9 +321,23 @@ def pack_in_place(
     else:  # bytes stay bytes (gathered and written back as they are); scores read numbers
         scored = _LayerReads(kv_layers, layout, block_ids, start, num_tokens, fp8=fp8)
         kernel_dtype = torch.float32
+    planned = time.perf_counter()
     chosen = plan_pack(
-        scored, policy, kept, window, reserved, kernel_dtype, recent_layers, start, head_cap
+        scored,
+        policy,
+        kept,
+        window,
+        reserved,
+        kernel_dtype,
+        recent_layers,
+        start,
+        head_cap,
+        timings,
     )
+    if timings is not None:  # plan_s: all of plan_pack but the window scores
+        timings["plan_s"] = (
+            timings.get("plan_s", 0.0) + time.perf_counter() - planned - timings["score_s"]
+        )
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved)
         return chosen

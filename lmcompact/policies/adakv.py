@@ -35,7 +35,10 @@ class AdaKV(CompactionPolicy):
     (``scorer``), whose forced keeps (+inf, e.g. SnapKV's window) stay forced.
 
     Shapes: the scorer's ``(H, T)`` scores per layer. Per-head counts differ;
-    the per-layer total is ``min(k * H, valid candidates of the layer)``.
+    the per-layer total is ``min(k * H, valid candidates of the layer)``. With
+    ``inputs.max_tokens`` (a layout's per-head cap) no head keeps more than that: its
+    pairs past its own best ``max_tokens`` leave the ranking, so the layer's budget goes
+    to the other heads' next best (and ``max_layer_tokens`` bounds the layer).
     ``needs`` and ``phases`` of an instance are the scorer's.
 
     Attributes:
@@ -83,8 +86,14 @@ class AdaKV(CompactionPolicy):
         valid = inputs.valid_or_all().cpu()
         heads, length = scores.shape
         ranked = scores.detach().cpu().double()
+        if inputs.max_tokens is not None:
+            # a head's pairs past its own best max_tokens never compete: the layer's budget
+            # goes to the next best pairs of the other heads (a capped top-k, in one pass)
+            valid = valid & topk_mask(ranked, min(inputs.max_tokens, length), valid)
         safeguard = topk_mask(ranked, math.ceil(self.alpha_safeguard * keep), valid)
         total = min(keep * heads, int(valid.sum()))
+        if inputs.max_tokens is not None and inputs.max_layer_tokens is not None:
+            total = min(total, inputs.max_layer_tokens)
         # One ranking over the flattened (H x T) pairs: safeguards first, then by
         # score; invalid slots last (never reached, total <= valid slots).
         ranked = ranked.masked_fill(safeguard, float("inf")).reshape(1, -1)

@@ -95,9 +95,10 @@ class CompactionInputs:
         budget_tokens: Optional override of the policy's budget in tokens
             (decode-time callers keep a fixed count).
         max_tokens: Most tokens one (layer, head) may keep where the caller's layout
-            holds per-head counts (the vLLM store's ``store.per_head`` cap); None: every
-            (layer, head) keeps the budget's count. Only policies with ragged counts
-            read it (kvzip's ``allocation="ragged"``).
+            holds per-head counts (the vLLM store's ``store.per_head`` cap, the in-place
+            pack's ``release.per_head`` cap); None: every (layer, head) keeps the budget's
+            count. Only policies with ragged counts read it (kvzip's
+            ``allocation="ragged"``, Ada-KV).
         max_layer_tokens: With ``max_tokens``, most tokens one layer's heads keep
             together (the cells the caller's dense layout reserves); None: no bound.
         query_positions: ``(W,)`` absolute positions of the window queries (with

@@ -70,7 +70,8 @@ def test_connector_lines_in_engine_log(
         r"INFO .*LMCompactConnector worker: 30 layers, .*policy snapkv, kept 128/256",
         r"INFO .*LMCompactConnector .* release: prefill=pack",
         # one line per compacted request: 18 full blocks packed to 9, 2 chunks stored
-        r"INFO .*compacted \S+ in place: kept 288 of 576 prompt tokens",
+        r"INFO .*compacted \S+ in place in [0-9.]+ s \(scores [0-9.]+ s, plans [0-9.]+ s "
+        r"over 1 asks\): kept 288 of 576 prompt tokens",
         r"INFO .*stored \S+: 2/2 chunks, kept 256 of 512 tokens",
     ]
     if multiprocessing == "0":  # the CPU tier is shared only inside one process

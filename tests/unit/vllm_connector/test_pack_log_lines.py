@@ -31,9 +31,14 @@ def _worker_state() -> SimpleNamespace:
 def test_every_pack_path_logs_its_line(on_device: bool, caplog: pytest.LogCaptureFixture) -> None:
     state = _worker_state()
     job = wire.PackJob("req-1", [1, 2, 3, 4], num_tokens=128, kept=64, reserved=64)
+    timings = None if on_device else {"score_s": 0.004, "plan_s": 0.005, "plans": 3.0}
     with caplog.at_level(logging.INFO, logger="connectors.vllm.worker"):
-        Worker._done(state, job, 0.01, on_device=on_device)  # type: ignore[arg-type]
-    where = " on the device" if on_device else ""
+        Worker._done(state, job, 0.01, on_device=on_device, timings=timings)  # type: ignore[arg-type]
+    where = (
+        " on the device, launched in 0.010 s"
+        if on_device
+        else " in 0.010 s (scores 0.004 s, plans 0.005 s over 3 asks)"
+    )
     expected = f"compacted req-1 in place{where}: kept 64 of 128 prompt tokens per (layer, head)"
     assert [r.getMessage() for r in caplog.records] == [f"{expected} (snapkv)"]
     assert state._report.packed == {("req-1", 0)} and state.pack_stats["packs"] == 1
