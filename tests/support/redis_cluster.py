@@ -69,7 +69,7 @@ class RedisClusterProcess:
         """Start every node, create the cluster, wait until every node says it is ok."""
         try:
             for node in self.nodes:
-                node.start()
+                self._start_node(node)
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             assert self.cli is not None
             subprocess.run(
@@ -84,6 +84,21 @@ class RedisClusterProcess:
             self.stop()
             raise
         return self
+
+    @staticmethod
+    def _start_node(node: RedisProcess, attempts: int = 3) -> None:
+        """Start ``node``; when it exits at once (its port or bus port was taken since they
+        were picked: another process's outgoing connection can land there), pick both again."""
+        for attempt in range(attempts):
+            try:
+                node.start()
+                return
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                node.port = free_port()
+                bus = node.extra_args.index("--cluster-port") + 1
+                node.extra_args[bus] = str(free_port())
 
     def wait_ok(self, timeout_s: float = 20.0) -> None:
         """Wait until every running node reports ``cluster_state:ok`` and knows all slots."""

@@ -19,6 +19,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _tail(path: str, lines: int = 5) -> str:
+    """The last ``lines`` lines of a text file, or nothing when it is missing."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
 class RedisProcess:
     """A ``redis-server`` on 127.0.0.1 without persistence, stopped by its PID.
 
@@ -42,6 +51,7 @@ class RedisProcess:
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="lmc-redis-")
+        self._log = os.path.join(self._dir, "redis.log")
 
     @property
     def url(self) -> str:
@@ -67,6 +77,7 @@ class RedisProcess:
             "--appendonly", "no",
             "--dir", self._dir,
             "--protected-mode", "yes",
+            "--logfile", self._log,
             *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -74,6 +85,7 @@ class RedisProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                err += _tail(self._log)  # redis says why (e.g. a port in use) in its log
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
             if self._ping():
                 return self

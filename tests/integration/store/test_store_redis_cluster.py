@@ -274,3 +274,29 @@ def test_failover_to_a_replica_serves_the_chunks_again():
         assert all(g is not None and same_chunk(g, c) for g, (_, c) in zip(got, items, strict=True))
         assert tier.healthy and tier.metrics()["nodes_down"] == []
         tier.close()
+
+
+def test_a_node_whose_port_was_taken_starts_on_fresh_ports():
+    """A port picked free can be taken before the node starts (CI saw a node exit at once):
+    the server's own reason reaches the error, and a cluster node picks new ports."""
+    import socket
+
+    from tests.redis_server import require_redis_server
+    from tests.support.redis_process import RedisProcess
+
+    require_redis_server()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        lone = RedisProcess(port=taken)
+        with pytest.raises(RuntimeError, match=r"(?i)address already in use"):
+            lone.start()
+        lone.stop()
+        cluster = RedisClusterProcess()
+        cluster.nodes[0].port = taken
+        with cluster:
+            assert cluster.nodes[0].port != taken
+            tier = cluster_tier(cluster.url)
+            assert tier.put(KEYS[0], make_chunk(0)) and tier.get(KEYS[0]) is not None
+            tier.close()
