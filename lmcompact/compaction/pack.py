@@ -90,9 +90,8 @@ def plan_pack(
             key index is the logical one. Not with ``reserved``.
         start: absolute position of the span's first token (window positions are absolute).
         head_cap: with ``reserved``, most tokens one (layer, head) keeps; None: ``reserved``.
-        timings: if given, ``score_s`` (reading and scoring the layers), ``plan_s`` (the
-            policy's plans and the clipping) and ``plans`` (plans the budget search asked)
-            grow.
+        timings: if given, set to ``score_s`` (seconds reading and scoring the layers)
+            and ``plans`` (how many plans the policy was asked for).
     """
     if recent_layers and reserved is not None:
         raise ValueError("per-head counts (reserved) cannot be combined with recent_layers")
@@ -128,8 +127,8 @@ def plan_pack(
         torch.cuda.synchronize()  # bill the asynchronous scoring to score_s, not plan_s
     scored_at = time.perf_counter()
     if timings is not None:
-        timings["score_s"] = timings.get("score_s", 0.0) + scored_at - began
-        timings["plans"] = timings.get("plans", 0.0)
+        timings["score_s"] = scored_at - began
+        timings["plans"] = 0.0
 
     cap = reserved if head_cap is None or reserved is None else head_cap
 
@@ -159,12 +158,12 @@ def plan_pack(
             for layer in layers
         ]
 
-    limit = reserved if cap is None else cap
+    assert cap is not None  # reserved is set from here on
 
     def clipped(plan: KeepPlan) -> list[list[torch.Tensor]]:
         return [
             fit_layer(
-                [_clip(plan.kept[layer][head], limit, num_tokens) for head in heads],
+                [_clip(plan.kept[layer][head], cap, num_tokens) for head in heads],
                 reserved * num_heads,
                 num_tokens,
             )
@@ -193,34 +192,25 @@ def plan_pack(
     return best if best is not None else clipped(plan_for(num_tokens))
 
 
+@dataclass(frozen=True)
 class _LayerReads(Sequence[tuple[torch.Tensor, torch.Tensor]]):
     """One layer's ``(H, num_tokens, D)`` K/V of the span, read from the pages on each access.
 
-    Args:
+    Attributes:
         as_float: give float32 copies (what the policies score).
         fp8: decode fp8 page bytes to float32 with these scales.
     """
 
-    def __init__(
-        self,
-        kv_layers: Sequence[torch.Tensor],
-        layout: PageLayout,
-        block_ids: Sequence[int],
-        start: int,
-        num_tokens: int,
-        as_float: bool = False,
-        fp8: Fp8Pages | None = None,
-    ) -> None:
-        self._kv_layers = kv_layers
-        self._layout = layout
-        self._block_ids = block_ids
-        self._start = start
-        self._num_tokens = num_tokens
-        self._as_float = as_float
-        self._fp8 = fp8
+    kv_layers: Sequence[torch.Tensor]
+    layout: PageLayout
+    block_ids: Sequence[int]
+    start: int
+    num_tokens: int
+    as_float: bool = False
+    fp8: Fp8Pages | None = None
 
     def __len__(self) -> int:
-        return len(self._kv_layers)
+        return len(self.kv_layers)
 
     @overload
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -233,12 +223,12 @@ class _LayerReads(Sequence[tuple[torch.Tensor, torch.Tensor]]):
     ) -> tuple[torch.Tensor, torch.Tensor] | Sequence[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(index, slice):
             return [self[i] for i in range(len(self))[index]]
-        keys, values = self._layout.read(
-            self._kv_layers[index], self._block_ids, self._start, self._num_tokens
+        keys, values = self.layout.read(
+            self.kv_layers[index], self.block_ids, self.start, self.num_tokens
         )
-        if self._fp8 is not None:
-            return self._fp8.keys(index, keys), self._fp8.values(index, values)
-        if self._as_float:
+        if self.fp8 is not None:
+            return self.fp8.keys(index, keys), self.fp8.values(index, values)
+        if self.as_float:
             return keys.float(), values.float()
         return keys, values
 
@@ -335,9 +325,7 @@ def pack_in_place(
         timings,
     )
     if timings is not None:  # plan_s: all of plan_pack but the window scores
-        timings["plan_s"] = (
-            timings.get("plan_s", 0.0) + time.perf_counter() - planned - timings["score_s"]
-        )
+        timings["plan_s"] = time.perf_counter() - planned - timings["score_s"]
     if reserved is not None:
         pack_per_head(kv_layers, layout, block_ids, num_tokens, chosen, reserved)
         return chosen
@@ -348,5 +336,4 @@ def pack_in_place(
         layout.write(
             kv, block_ids, start, torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         )
-    return chosen
     return chosen
