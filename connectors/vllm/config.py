@@ -61,7 +61,7 @@ RELEASE_KEY = "release"
 CONNECTOR_NAME = "LMCompactConnector"
 TRANSFER_FLAG = "--kv-transfer-config"
 TIERS = ("cpu", "redis")
-CUDA_GRAPHS = ("piecewise", "full")
+CUDA_GRAPHS = ("auto", "piecewise", "full")
 """Values of ``cuda_graphs`` (see :class:`ConnectorConfig`)."""
 
 POLICY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -519,16 +519,21 @@ class ConnectorConfig:
         window: observation-window queries (the prompt's last ``window`` tokens) captured for
             score-based policies (and Expected Attention's query statistics); ``kvzip``
             also captures its own sample of queries across the prompt.
-        cuda_graphs: how compacted requests run under CUDA graphs. ``"piecewise"`` (the
-            default): the connector asks vLLM for piecewise graphs and cuts holes out of
-            the attention metadata inside each attention call (checked on the H200).
-            ``"full"``: vLLM keeps its full decode graphs and the connector cuts holes in
-            the runner's input buffers (vLLM 0.26's V2 GPU runner; checked on the H200,
-            faster: docs/benchmarks/serve-h200.md). Not the default because vLLM asks for
-            the graph mode before the model is known: sliding-window models need piecewise
-            graphs (refused with a message); H2O decode merges get them.
+        cuda_graphs: how compacted requests run under CUDA graphs. ``"full"``: vLLM keeps
+            its full decode graphs and the connector cuts holes in the runner's input
+            buffers (vLLM's V2 GPU runner; checked on the H200, the faster mode:
+            docs/benchmarks/serve-h200.md). ``"piecewise"``: the connector asks vLLM for
+            piecewise graphs and cuts holes inside each attention call. ``"auto"`` (the
+            default): full where the engine allows it, decided when vLLM asks the
+            connector (while it builds its config, model config included): piecewise for
+            models with sliding-window layers, H2O decode merges, vLLM's V1 runner or no
+            CUDA device, full otherwise; the decision is logged.
         store: the ``"store"`` group (:class:`StoreOptions`).
         release: the ``"release"`` group (:class:`ReleaseOptions`), None when off.
+        step_trace: a file that gets one JSON line per engine step (its prefill tokens,
+            decode rows, loads and packs) and, beside it (``.rank0``, ...), one per pack
+            with its GPU time: what ``lmcompact bench itl`` reads to say which steps make
+            the inter-token latency. None (the default): nothing written.
     """
 
     policy: str = option(AUTO, text(allowed="a policy name"))
@@ -537,9 +542,10 @@ class ConnectorConfig:
         _BUDGET_DEFAULT, number(above=0, at_most=1, allowed="a kept fraction in (0, 1]")
     )
     window: int = option(32, integer(0))
-    cuda_graphs: str = option("piecewise", choice(CUDA_GRAPHS))
+    cuda_graphs: str = option("auto", choice(CUDA_GRAPHS))
     store: StoreOptions = dataclasses.field(default_factory=StoreOptions)
     release: ReleaseOptions | None = None
+    step_trace: str | None = option(None, text(nullable=True, allowed="a file path"))
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -646,8 +652,10 @@ class ConnectorConfig:
 
     @property
     def needs_piecewise(self) -> bool:
-        """Whether vLLM must run piecewise CUDA graphs (see ``cuda_graphs``)."""
-        return self.cuda_graphs != "full" or (
+        """Whether these options need piecewise CUDA graphs whatever the model
+        (``"piecewise"``, or H2O decode merges); ``"auto"`` may still choose them for the
+        model (:meth:`LMCompactConnector.requires_piecewise_for_cudagraph`)."""
+        return self.cuda_graphs == "piecewise" or (
             self.release is not None and self.release.needs_piecewise
         )
 

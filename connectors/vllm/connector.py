@@ -231,9 +231,22 @@ class LMCompactConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # "piecewise": holes are cut inside attention calls, which full graphs skip;
         # "full": they are cut in the runner's input buffers (patches/runner.py), except
-        # for per-head counts and H2O decode, which work inside every attention call
+        # for H2O decode, which works inside every attention call; "auto": full where the
+        # engine being configured allows it (vLLM asks from VllmConfig.__post_init__)
         try:
             config = ConnectorConfig.from_extra(extra_config)
         except ValueError:
             return True  # the connector refuses these options when it is built
-        return config.needs_piecewise
+        if config.needs_piecewise:
+            return True
+        if config.cuda_graphs == "full":
+            return False
+        refusal = engine.full_graphs_refusal(engine.config_being_built())
+        engine.share_engine_logging()  # no connector exists yet to have done it
+        logger.info(
+            'cuda_graphs "auto": %s',
+            f"piecewise CUDA graphs ({refusal})"
+            if refusal
+            else "full CUDA graphs (holes cut in the runner's input buffers)",
+        )
+        return refusal is not None

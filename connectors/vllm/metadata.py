@@ -155,6 +155,7 @@ class StepMetadata:
         taken_back: ids of requests vLLM preempted this step (their blocks are gone: a
             later load or recompute starts them again).
         surprisal: prompt tokens to score by the model's next-token log-probabilities.
+        index: the step's number (set with ``step_trace`` only; -1 otherwise).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -164,6 +165,7 @@ class StepMetadata:
     finished: set[str] = field(default_factory=set)
     taken_back: set[str] = field(default_factory=set)
     surprisal: list[SurprisalSpec] = field(default_factory=list)
+    index: int = -1
 
     def is_idle(self) -> bool:
         return not (

@@ -68,6 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.vllm import step_trace
 from connectors.vllm.disaggregation import (
     KV_CONSUMER,
     KV_PRODUCER,
@@ -159,6 +160,8 @@ class Scheduler:
         self.policy = spec.store_policy  # what the saved chunks' compaction reads
         self.states = RequestStates()  # the one record per live request
         self._scheduled: list[str] = []  # requests scheduled in the step being planned
+        self._step_rows = [0, 0, 0]  # the step's prefill tokens, prefill rows, decode rows
+        self.trace = None if config.step_trace is None else step_trace.StepTrace(config.step_trace)
         self._reported: set[ChunkKey] = set()  # slice keys stored, as the workers said
         self._saving: dict[ChunkKey, float] = {}  # slice save planned -> time planned
         self._version = 0  # bumps whenever what is known to exist changes
@@ -499,6 +502,8 @@ class Scheduler:
         if self.planner is not None:
             envelope.packs = self._plan_release(scheduler_output, meta, envelope)
         self._add_holes(meta)
+        if self.trace is not None:
+            self._trace_step(meta, envelope)
         if self.planner is not None and (envelope.packs or envelope.merges or not meta.is_idle()):
             # holes, captures and loads must be in place before the forward pass
             output_patch.force_sync_loads(scheduler_output)
@@ -507,6 +512,7 @@ class Scheduler:
     def _plan_store(self, scheduler_output: Any, meta: StepMetadata) -> None:
         """Loads, captures and saves of the step (its holes: :meth:`_add_holes`)."""
         self._scheduled = []
+        self._step_rows = [0, 0, 0]  # prefill tokens, prefill rows, decode rows
         for sched in output_patch.scheduled_requests(scheduler_output):
             tracked = self.states.get(sched.req_id)
             if tracked is None:
@@ -521,6 +527,11 @@ class Scheduler:
                 )
             tracked.seq_len = sched.num_computed + sched.num_scheduled
             self._scheduled.append(sched.req_id)
+            if tracked.seq_len <= len(tracked.prompt):  # some of its prompt this step
+                self._step_rows[0] += sched.num_scheduled
+                self._step_rows[1] += 1
+            elif sched.num_scheduled:
+                self._step_rows[2] += 1
             if sched.replace:
                 tracked.block_ids = list(sched.new_block_ids)
                 self._start(sched, tracked, meta)
@@ -533,6 +544,26 @@ class Scheduler:
         meta.finished = output_patch.finished_req_ids(scheduler_output)
         for req_id in meta.finished:
             self.states.forget(req_id, finished=True)
+
+    def _trace_step(self, meta: StepMetadata, envelope: LMCompactMetadata) -> None:
+        """One ``step_trace`` line for the step being planned (its number goes to the
+        workers with the metadata, so their pack lines name it)."""
+        assert self.trace is not None
+        meta.index = self.states.step - 1  # _add_holes counted it
+        prefill_tokens, prefill_rows, decode_rows = self._step_rows
+        self.trace.write(
+            step_trace.step_record(
+                meta.index,
+                prefill_tokens,
+                prefill_rows,
+                decode_rows,
+                loads=len(meta.loads),
+                load_tokens=sum(len(load.keys) for load in meta.loads)
+                * self.config.store.chunk_size,
+                packs=len(envelope.packs),
+                saves=len(meta.saves),
+            )
+        )
 
     def _add_holes(self, meta: StepMetadata) -> None:
         """Add the visible hole of every request scheduled this step to ``meta`` (whoever

@@ -48,6 +48,7 @@ from connectors.vllm.patches import engine
 from connectors.vllm.patches import runner as runner_patch
 from connectors.vllm.reconstruct import ReconstructScores
 from connectors.vllm.spec import ConnectorSpec
+from connectors.vllm.step_trace import PackTrace, worker_trace_path
 from lmcompact.compaction.chunks import (
     BF16_BYTES,
     LOAD_GROUP_BYTES,
@@ -191,6 +192,12 @@ class Worker:
         }
         # per pack: host seconds of its launches, and CUDA events around its device work
         self._pack_times: list[tuple[float, Any, Any]] = []
+        self._step_index = -1  # the bound step's number (step_trace)
+        self.pack_trace = (
+            None
+            if self.config.step_trace is None
+            else PackTrace(worker_trace_path(self.config.step_trace, tp_rank))
+        )
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -323,6 +330,9 @@ class Worker:
         meta = envelope.step
         self._meta = meta
         self._packs = envelope.packs
+        self._step_index = meta.index
+        if self.pack_trace is not None:
+            self.pack_trace.flush()
         self._prepared = False
         self._edited = {}
         gone = meta.finished | meta.taken_back | envelope.forgotten
@@ -567,6 +577,8 @@ class Worker:
     def shutdown(self) -> None:
         self.drain()
         self._executor.shutdown(wait=True)
+        if self.pack_trace is not None:
+            self.pack_trace.close()
 
     # ================================================================ hole cuts (full graphs)
     """Stages each step's holes and cuts them from the gathered block tables and key lengths."""
@@ -576,19 +588,24 @@ class Worker:
         need it); sliding-window layers need a cut of their own per layer kind, which only
         the per-layer path makes, so with them full graphs are refused."""
         self.full_graphs = runner_patch.full_cudagraphs(self.vllm_config)
+        v2_runner = bool(getattr(self.vllm_config, "use_v2_model_runner", True))
         self.cut_at_build = (
-            self.config.cuda_graphs == "full"
+            self.config.cuda_graphs != "piecewise"
+            and self.full_graphs
             and not self.sliding_layers
+            and v2_runner
             and runner_patch.hook_step_tables()
         )
         if self.full_graphs and not self.cut_at_build:
             why = (
-                f"the model has {len(self.sliding_layers)} sliding-window layers, whose "
+                'kv_connector_extra_config "cuda_graphs" is "piecewise"'
+                if self.config.cuda_graphs == "piecewise"
+                else f"the model has {len(self.sliding_layers)} sliding-window layers, whose "
                 "windows are cut per layer inside attention"
                 if self.sliding_layers
+                else "the engine runs vLLM's V1 model runner"
+                if not v2_runner
                 else f"this vLLM ({engine.vllm_version()}) has no runner hook for hole cuts"
-                if self.config.cuda_graphs == "full"
-                else 'kv_connector_extra_config "cuda_graphs" is "piecewise"'
             )
             raise ValueError(
                 f"LMCompactConnector cannot run with full CUDA graphs here: {why}, which a "
@@ -1164,6 +1181,9 @@ class Worker:
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
             self._done(job, time.perf_counter() - began, timings=timings)
             self._pack_times.append((time.perf_counter() - began, None, None))
+            if self.pack_trace is not None:
+                host = time.perf_counter() - began
+                self.pack_trace.add(self._step_index, job.req_id, began, host, None, None)
 
     def _device_pack(self, job: wire.PackJob, window: WindowQueries | None, began: float) -> None:
         """One pack on the GPU, timed by CUDA events (read later, no sync here)."""
@@ -1188,6 +1208,8 @@ class Worker:
         self._done(job, host, on_device=True)  # launched: later kernels on the stream see it
         self.pack_stats["device_packs"] += 1
         self._pack_times.append((host, start, end))
+        if self.pack_trace is not None:
+            self.pack_trace.add(self._step_index, job.req_id, began, host, start, end)
 
     def _done(
         self,

@@ -8,7 +8,13 @@ length (so start-up costs, kernel compilation and first-shape captures are not i
 figure; its time is reported as ``ttft_cold_s``), then the measured prompt three times: the
 first request computes it and stores its compacted chunks (recompute TTFT), the next two
 load them (hit TTFT; the best of two is reported). TTFT is the wall time of a one-token
-generation. ``--profile`` adds a cProfile of one more hit (the host-side functions with the
+generation. ``cold_vs_warm`` is ``ttft_cold_s`` over ``ttft_recompute_s``: the first request
+of a fresh engine against a later computed request of the same length (what start-up costs
+the first request). A ``--configs`` label whose value is ``false`` is vLLM alone, no
+connector (``"connector": false``, ``"budget": null``): the same cold request, then the
+prompt once more, computed (its ``ttft_recompute_s``; with ``--decode-tokens``, its
+``decode_ms_recompute``); it has no hits, store or compaction figures (null) and no
+``--profile``. ``--profile`` adds a cProfile of one more hit (the host-side functions with the
 most cumulative time; GPU work shows up as the synchronizations that wait for it). Also
 reported:
 stored bytes vs the full KV of the same chunks, compaction time per 1k tokens (the
@@ -28,7 +34,7 @@ import platform
 import pstats
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -82,8 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         type=json.loads,
         default=None,
-        help="JSON object, row label -> a whole kv_connector_extra_config (e.g. "
-        '\'{"default": {"budget": 0.25}, "none": {"policy": "none"}}\'); replaces '
+        help="JSON object, row label -> a whole kv_connector_extra_config, or false for vLLM "
+        'alone without the connector (e.g. \'{"vllm": false, "default": {"budget": 0.25}, '
+        '"none": {"policy": "none"}}\'); replaces '
         "--policies/--budget (store.chunk_size defaults to --chunk-size)",
     )
     parser.add_argument("--json", default=None, help="write results as JSON here ('-': stdout)")
@@ -113,12 +120,15 @@ def measure(
     policy_params: dict[str, Any] | None = None,
     per_head_slack: float | None = None,
     decode_tokens: int = 0,
-    config: dict[str, Any] | None = None,
+    config: dict[str, Any] | Literal[False] | None = None,
 ) -> dict[str, Any]:
     """One row: ``policy`` at ``budget``, or with ``config`` that whole
-    ``kv_connector_extra_config`` (``policy`` is then the row's label)."""
+    ``kv_connector_extra_config`` (``policy`` is then the row's label); ``config`` False:
+    vLLM alone, no connector (see :func:`_measure_without_connector`)."""
     from connectors.vllm import offline
 
+    if config is False:
+        return _measure_without_connector(model, prompt, policy, shape, block_size, decode_tokens)
     if config is not None:
         extra = json.loads(json.dumps(config))  # a copy the bench may add store options to
         store = extra.setdefault("store", {})
@@ -173,15 +183,17 @@ def measure(
             released = offline.request_counters(llm).get("blocks_released", 0) - released
     finally:
         offline.shutdown(llm)
-    exact = policy == "none" or (config is not None and config.get("policy") == "none")
+    exact = config.get("policy") == "none" if config is not None else policy == "none"
     if stats.get("loaded_chunks", 0) <= before.get("loaded_chunks", 0) and not exact:
         logger.warning("%s: the repeated prompt loaded nothing from the store", policy)
     row: dict[str, Any] = {
         "policy": policy,
+        "connector": True,
         "budget": budget if not exact else 1.0,
         "prompt_tokens": len(prompt),
         "ttft_cold_s": cold.seconds,
         "ttft_recompute_s": miss.seconds,
+        "cold_vs_warm": _ratio(cold.seconds, miss.seconds),
         "ttft_hit_s": hit_s,
         "speedup": miss.seconds / hit_s if hit_s else None,
         "loaded_chunks": int(stats.get("loaded_chunks", 0)),
@@ -218,11 +230,80 @@ def measure(
     return row
 
 
+def _measure_without_connector(
+    model: str,
+    prompt: list[int],
+    label: str,
+    shape: str | None,
+    block_size: int,
+    decode_tokens: int,
+) -> dict[str, Any]:
+    """A row of vLLM alone (no connector, so no store, hits or counters): the cold first
+    request of a fresh engine, then ``prompt`` computed (its recompute TTFT); with
+    ``decode_tokens``, a prompt never seen decoding that many more tokens."""
+    from connectors.vllm import offline
+
+    dtype, engine = engine_options(shape)
+    llm = offline.build_llm(
+        model,
+        None,
+        dtype=dtype,
+        max_model_len=len(prompt) + 64,
+        block_size=block_size,
+        engine=engine,
+    )
+    try:
+        cold = offline.generate(llm, _other_prompt(prompt), max_tokens=1)
+        miss = offline.generate(llm, prompt, max_tokens=1)
+        decode_ms = None
+        if decode_tokens:
+            fresh = _other_prompt(_other_prompt(prompt))
+            long_miss = offline.generate(llm, fresh, max_tokens=1 + decode_tokens)
+            decode_ms = 1000 * (long_miss.seconds - miss.seconds) / decode_tokens
+    finally:
+        offline.shutdown(llm)
+    row: dict[str, Any] = {
+        "policy": label,
+        "connector": False,
+        "budget": None,
+        "prompt_tokens": len(prompt),
+        "ttft_cold_s": cold.seconds,
+        "ttft_recompute_s": miss.seconds,
+        "cold_vs_warm": _ratio(cold.seconds, miss.seconds),
+        **dict.fromkeys(_CONNECTOR_FIGURES),
+        "config": False,
+    }
+    if decode_tokens:
+        row.update(decode_ms_hit=None, decode_ms_recompute=decode_ms, decode_ratio=None)
+    return row
+
+
+_CONNECTOR_FIGURES = (
+    "ttft_hit_s",
+    "speedup",
+    "loaded_chunks",
+    "bytes_stored",
+    "bytes_full",
+    "stored_fraction",
+    "compaction_s_per_1k_tokens",
+    "stored_vs_bf16",
+    "blocks_held_fraction",
+    "surprisal_tokens",
+    "surprisal_s",
+)
+"""Row figures of the connector (hits, store, compaction): None in a row of vLLM alone."""
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
 def _add_prefill_ratios(rows: list[dict[str, Any]]) -> None:
     """``recompute_vs_exact``: each row's recompute (a prefill that also saves, scoring
-    its tokens where the store policy needs it) over the exact row's (budget 1), measured
-    in the same invocation; absent without an exact row."""
-    exact = next((r for r in rows if r["budget"] == 1.0), None)
+    its tokens where the store policy needs it; vLLM alone for a row without the
+    connector) over the exact row's (the connector at budget 1), measured in the same
+    invocation; absent without an exact row."""
+    exact = next((r for r in rows if r.get("connector", True) and r.get("budget") == 1.0), None)
     if exact is None or not exact["ttft_recompute_s"]:
         return
     for r in rows:
@@ -272,6 +353,11 @@ def _profiled_hit(
 def run(args: argparse.Namespace) -> int:
     from connectors.vllm import offline
 
+    configs: dict[str, Any] = {} if args.configs is None else args.configs
+    if not isinstance(configs, dict) or not all(
+        isinstance(c, dict) or c is False for c in configs.values()
+    ):
+        raise SystemExit("--configs must be a JSON object of label -> object or false")
     offline.in_process_env(kv_cache_gib=2)
     with tempfile.TemporaryDirectory() as scratch:
         if args.shape is not None:
@@ -281,9 +367,6 @@ def run(args: argparse.Namespace) -> int:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=gen).tolist()
         else:
             prompt = _text_prompt(args)
-        configs: dict[str, Any] = args.configs or {}
-        if not isinstance(configs, dict) or not all(isinstance(c, dict) for c in configs.values()):
-            raise SystemExit("--configs must be a JSON object of label -> object")
         policies = list(configs) or [p.strip() for p in args.policies.split(",") if p.strip()]
         rows = [
             measure(
@@ -312,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
                 "prompt_tokens",
                 "ttft_cold_s",
                 "ttft_recompute_s",
+                "cold_vs_warm",
                 "ttft_hit_s",
                 "speedup",
                 "stored_fraction",

@@ -98,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     parser.add_argument(
         "--cuda-graphs",
-        choices=("piecewise", "full"),
-        default="piecewise",
-        help="the connector's cuda_graphs option for the compacted runs",
+        choices=("auto", "piecewise", "full"),
+        default="auto",
+        help="the connector's cuda_graphs option for the compacted runs (default: its own)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

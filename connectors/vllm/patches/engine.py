@@ -341,3 +341,54 @@ def drop_transfer_group() -> None:
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     ensure_kv_transfer_shutdown()
+
+
+def config_being_built(depth: int = 6) -> Any | None:
+    """The ``VllmConfig`` whose construction is asking (a local ``self`` of that class in
+    one of the calling frames), or None.
+
+    vLLM asks :meth:`KVConnectorBase_V1.requires_piecewise_for_cudagraph` with only the
+    extra config, from ``VllmConfig.__post_init__`` once its model config is built; the
+    config being built is the frame that asks.
+    """
+    import sys
+
+    frame: Any = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if type(candidate).__name__ == "VllmConfig" and hasattr(candidate, "model_config"):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def full_graphs_refusal(vllm_config: Any | None) -> str | None:
+    """Why full CUDA graphs cannot carry the connector's hole cuts for this engine, or None
+    when they can (``cuda_graphs`` "auto"): they need vLLM's V2 GPU runner on a CUDA
+    device and a model without sliding-window layers (those are cut per layer inside
+    attention)."""
+    if vllm_config is None:
+        return "vLLM's config was not found when it asked for the graph mode"
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return "vLLM asked before its model config was known"
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
+    if device != "cuda":
+        return f"the device is {device}"
+    window = _model_sliding_window(model)
+    if window is not None:
+        return f"the model has sliding-window layers ({window} tokens)"
+    if not bool(getattr(vllm_config, "use_v2_model_runner", False)):
+        return "this engine runs vLLM's V1 model runner (hole cuts in buffers need the V2 one)"
+    return None
+
+
+def _model_sliding_window(model_config: Any) -> int | None:
+    """The model's sliding window where it is in use (a config may name a window that its
+    ``use_sliding_window`` turns off)."""
+    text = getattr(model_config, "hf_text_config", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
+    return _config_sliding_window(model_config)

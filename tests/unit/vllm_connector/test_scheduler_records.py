@@ -53,6 +53,8 @@ REVIEWED = {
     "states": "RequestStates: one RequestState per live request",
     # not per request
     "_scheduled": "ids scheduled in the step being planned (emptied every step)",
+    "_step_rows": "the planned step's prefill tokens and rows, decode rows (reset every step)",
+    "trace": "the step_trace file, or None",
     "_reported": "chunk slice keys the workers reported stored",
     "_saving": "chunk slice keys being saved -> when planned",
     "_version": "bumps when the known chunks change",
