@@ -373,6 +373,11 @@ class StoreOptions:
             than letting host memory grow without bound when prompts arrive faster than
             they are compacted.
         model_id: name that enters the store namespace; None uses the engine's model path.
+        warm_up: on CUDA, allocate at start-up the pinned host buffers that saves copy
+            pages into (one per layer for each power-of-two span up to a step's token
+            budget: about twice one step's KV, e.g. 4 GiB for an 8B model at 16k tokens per
+            step), so the first requests that store do not pay the page-locked allocation
+            inside their prefill.
         compact_on: when the policy runs on a stored prefix. ``"auto"`` (default):
             ``"both"`` when ``policy`` is ``"auto"``, the budget is below 1 and the release
             group is not turned off, else ``"save"`` (:func:`resolve_auto`). ``"save"``:
@@ -440,6 +445,7 @@ class StoreOptions:
     remote_wait_s: float = option(10.0, number(above=0, allowed="seconds > 0"))
     max_pending_save_mb: int = option(8192, integer(1))
     model_id: str | None = option(None, text(nullable=True))
+    warm_up: bool = option(True, boolean())
     compact_on: str = option(AUTO, choice((AUTO, *COMPACT_ON)))
     token_scores: str = option("engine", choice(TOKEN_SCORES))
     budget: float | None = option(

@@ -71,7 +71,7 @@ from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
-from lmcompact.store.transfer import CopierPool, PendingCopy
+from lmcompact.store.transfer import CopierPool, PendingCopy, StreamCopier
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,8 @@ class Worker:
             self._start_per_head_loads()
         if self.planner is not None:
             self._register_release()
+        if self.config.store.save and self.config.store.warm_up and self._load_device is not None:
+            self._warm_save_buffers()
         logger.info(
             "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
             len(self.layers),
@@ -249,6 +251,34 @@ class Worker:
             self.config.policy,
             self.kept,
             self.config.store.chunk_size,
+        )
+
+    def _warm_save_buffers(self) -> None:
+        """``store.warm_up``: the pinned host buffers of the saves a step can make, one per
+        layer for each power-of-two span of chunks up to a step's token budget (torch's
+        host allocator caches pinned memory by power-of-two size), allocated now rather
+        than by the first requests that store (a page-locked allocation of gigabytes, and
+        a device synchronization, inside their prefill)."""
+        began = time.perf_counter()
+        chunk = self.config.store.chunk_size
+        scheduler = self.vllm_config.scheduler_config
+        most = min(
+            int(scheduler.max_num_batched_tokens),
+            int(self.vllm_config.model_config.max_model_len),
+        )
+        pages = next(iter(self.kv_caches.values()))
+        per_token = pages[0].nbytes // self.facts.block_size  # one token's page bytes
+        size = 1 << (chunk * per_token - 1).bit_length()  # the class of one chunk's span
+        top = 1 << (max(chunk, most) * per_token - 1).bit_length()
+        cached = 0
+        while size <= top:
+            cached += StreamCopier.warm_host_buffers(size, len(self.kv_caches))
+            size *= 2
+        logger.info(
+            "store warm-up: %.2f GiB of pinned host buffers for saves of up to %d tokens in %.1f s",
+            cached / 2**30,
+            most,
+            time.perf_counter() - began,
         )
 
     def _start_per_head_loads(self) -> None:

@@ -218,18 +218,18 @@ def _plot(
     colours = {"decode only": "tab:blue", "prefill chunk": "tab:orange", "pack": "tab:red"}
     for i in range(len(steps) - 1):
         kind = cause(steps[i], packs.get(steps[i]["step"], []))
-        colour = next((c for k, c in colours.items() if k in kind and k != "decode only"), None)
+        key = "pack" if "pack" in kind else "prefill chunk" if "prefill" in kind else "decode only"
         right.scatter(
             steps[i]["t"] - t0,
             1e3 * (steps[i + 1]["t"] - steps[i]["t"]),
             s=4,
-            color=colour or colours["decode only"],
+            color=colours[key],
         )
     right.axhline(figures[f"p{args.percentile:g}_itl_ms"], color="grey", lw=0.5)
     right.set_yscale("log")
     right.set_xlabel("time (s)")
     right.set_ylabel("step duration (ms)")
-    right.set_title("engine steps: blue decode, orange + prefill, red + pack")
+    right.set_title("engine steps: blue decode only, orange + prefill, red + pack")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -185,6 +185,18 @@ class StreamCopier:
             event.record(self.stream)
         return out, PendingCopy(event, torch.device("cpu"), tuple(tensors))
 
+    @staticmethod
+    def warm_host_buffers(nbytes: int, count: int) -> int:
+        """Put ``count`` pinned host buffers of ``nbytes`` into torch's host allocator cache
+        (allocated, then freed; it keeps pinned memory by power-of-two size, so a later
+        :meth:`to_host` of a size that rounds to ``nbytes`` reuses them): no save then pays
+        the page-locked allocation, and the device synchronization CUDA makes it do,
+        during a request. Returns the bytes now cached."""
+        buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+        total = sum(b.nbytes for b in buffers)
+        del buffers
+        return total
+
     def to_device(self, chunks: list[CompactedChunk]) -> tuple[list[CompactedChunk], PendingCopy]:
         """Load host chunks onto this device, each into one fresh packed buffer.
 

@@ -93,3 +93,25 @@ def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
     for got, want in zip(on_gpu, on_host, strict=True):
         assert got.is_cuda and got.shape == want.shape == (h, t)
         torch.testing.assert_close(got.cpu(), want, rtol=3e-2, atol=1e-3)
+
+
+def test_warmed_host_buffers_serve_the_first_saves() -> None:
+    """``store.warm_up``: after :meth:`StreamCopier.warm_host_buffers`, copies to the host of
+    sizes in the warmed power-of-two classes allocate no new pinned memory."""
+    from lmcompact.store.transfer import StreamCopier
+
+    layers, per_token = 4, 8 * 256 * 2  # 8 KV heads, K and V of 128, bf16
+    copier = CopierPool().for_copy(torch.device("cuda"), torch.device("cpu"))
+    assert copier is not None
+    size = 1 << 20  # a 256-token span at 4 KiB per token
+    while size <= 1 << 24:
+        StreamCopier.warm_host_buffers(size, layers)
+        size *= 2
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    for tokens in (256, 768, 3000, 4096):  # classes 1, 4, 16 and 16 MiB
+        pages = [torch.ones(tokens * per_token // 2, dtype=torch.bfloat16, device="cuda")]
+        host, pending = copier.to_host(pages * layers)
+        pending.wait()
+        assert all(bool((h == 1).all()) for h in host)
+        del host
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
