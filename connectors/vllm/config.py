@@ -376,8 +376,9 @@ class StoreOptions:
         warm_up: on CUDA, allocate at start-up the pinned host buffers that saves copy
             pages into (one per layer for each power-of-two span up to a step's token
             budget: about twice one step's KV, e.g. 4 GiB for an 8B model at 16k tokens per
-            step), so the first requests that store do not pay the page-locked allocation
-            inside their prefill.
+            step), and rehearse one save of a step's span (page gather, window-score
+            kernels, copy, compaction; nothing stored), so the first requests that store do
+            not pay allocations, kernel compiles or first calls inside their prefill.
         compact_on: when the policy runs on a stored prefix. ``"auto"`` (default):
             ``"both"`` when ``policy`` is ``"auto"``, the budget is below 1 and the release
             group is not turned off, else ``"save"`` (:func:`resolve_auto`). ``"save"``:

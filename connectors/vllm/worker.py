@@ -120,6 +120,7 @@ class Worker:
         self.heavy: HeavyHitterScores | WindowScores | None = None
         self.device_packer: DevicePacker | None = None
         self.warm_up_s: list[tuple[int, float]] = []
+        self.save_rehearsal_s: float | None = None  # store.warm_up's rehearsed save
         self.layout: PageLayout = make_layout(facts.layout_name, facts.block_size)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layers: dict[str, Any] = {}
@@ -244,6 +245,7 @@ class Worker:
             self._register_release()
         if self.config.store.save and self.config.store.warm_up and self._load_device is not None:
             self._warm_save_buffers()
+            self._rehearse_save()
         logger.info(
             "LMCompactConnector worker: %d layers, layout %s, policy %s, kept %d/%d per chunk",
             len(self.layers),
@@ -279,6 +281,67 @@ class Worker:
             cached / 2**30,
             most,
             time.perf_counter() - began,
+        )
+
+    def _rehearse_save(self) -> None:
+        """``store.warm_up``: one save of a step's span run through everything a save does
+        but the store put, on the pages of vLLM's null block with random window queries:
+        the page gather (the device allocator's first segments), the window-score kernels
+        (compiled and tuned for the save path's shapes), the side-stream copy and the
+        compaction (its first-call costs), so none of that lands in the first storing
+        request's prefill. Nothing is stored or counted; a failure is logged, not raised
+        (the first request then pays what was left)."""
+        began = time.perf_counter()
+        bs, chunk = self.facts.block_size, self.config.store.chunk_size
+        budget = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+        limit = int(self.vllm_config.model_config.max_model_len)
+        tokens = max(chunk, min(budget, limit) // chunk * chunk)
+        req_id = "lmcompact-save-rehearsal"
+        first = next(iter(self.layers.values()))
+        pages = next(iter(self.kv_caches.values()))
+        window = min(max(1, self.config.window), tokens)
+        gen = torch.Generator(device=pages.device).manual_seed(0)
+        query = torch.randn(
+            window,
+            engine.num_query_heads(first),
+            self.facts.head_dim,
+            device=pages.device,
+            generator=gen,
+        ).to(self.facts.dtype)
+        self._captured[req_id] = [[query] for _ in self.layers]
+        self._captured_pos[req_id] = list(range(tokens - window, tokens))
+        if self.engine_scores:  # the store policy reads the prompt's own surprisal
+            self._surprisal[req_id] = torch.rand(tokens, generator=torch.Generator().manual_seed(0))
+        spec = wire.SaveSpec(
+            req_id,
+            [0] * -(-tokens // bs),  # the null block: read, never written
+            [ChunkKey(bytes(32))] * (tokens // chunk),
+            0,
+            tokens,
+        )
+        try:
+            job = self._copy_job(spec)
+            job.wait_for_copies()
+            compact_job(
+                job,
+                self.layout,
+                self.policy,
+                chunk,
+                self.kept,
+                recent_layers=self.sliding_layers,
+                cap=self.cap,
+                fp8=self.fp8_pages(),
+                layer_cap=self.layer_cap,
+            )
+        except Exception:  # a warm-up never stops the engine
+            logger.warning("store warm-up: the save rehearsal failed", exc_info=True)
+            return
+        finally:
+            self.forget_window(req_id)
+            self._surprisal.pop(req_id, None)
+        self.save_rehearsal_s = time.perf_counter() - began
+        logger.info(
+            "store warm-up: rehearsed a save of %d tokens in %.1f s", tokens, self.save_rehearsal_s
         )
 
     def _start_per_head_loads(self) -> None:

@@ -15,7 +15,8 @@ connector (``"connector": false``, ``"budget": null``): the same cold request, t
 prompt once more, computed (its ``ttft_recompute_s``; with ``--decode-tokens``, its
 ``decode_ms_recompute``); it has no hits, store or compaction figures (null) and no
 ``--profile``. ``--profile`` adds a cProfile of one more hit (the host-side functions with the
-most cumulative time; GPU work shows up as the synchronizations that wait for it). Also
+most cumulative time; GPU work shows up as the synchronizations that wait for it),
+``--profile-cold`` one of each engine's first request (vLLM alone included). Also
 reported:
 stored bytes vs the full KV of the same chunks, compaction time per 1k tokens (the
 background thread's work: layout decode, window scores, policy, chunk build), and the
@@ -85,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in the JSON",
     )
     parser.add_argument(
+        "--profile-cold",
+        action="store_true",
+        help="cProfile each engine's first request (rows of vLLM alone too): top functions "
+        "in the JSON as profile_cold; its ttft_cold_s then includes the profiler's overhead",
+    )
+    parser.add_argument(
         "--configs",
         type=json.loads,
         default=None,
@@ -121,6 +128,7 @@ def measure(
     per_head_slack: float | None = None,
     decode_tokens: int = 0,
     config: dict[str, Any] | Literal[False] | None = None,
+    profile_cold: bool = False,
 ) -> dict[str, Any]:
     """One row: ``policy`` at ``budget``, or with ``config`` that whole
     ``kv_connector_extra_config`` (``policy`` is then the row's label); ``config`` False:
@@ -128,7 +136,9 @@ def measure(
     from connectors.vllm import offline
 
     if config is False:
-        return _measure_without_connector(model, prompt, policy, shape, block_size, decode_tokens)
+        return _measure_without_connector(
+            model, prompt, policy, shape, block_size, decode_tokens, profile_cold
+        )
     if config is not None:
         extra = json.loads(json.dumps(config))  # a copy the bench may add store options to
         store = extra.setdefault("store", {})
@@ -156,14 +166,14 @@ def measure(
         engine=engine,
     )
     try:
-        cold = offline.generate(llm, _other_prompt(prompt), max_tokens=1)
+        cold, cold_spots = _cold_request(llm, prompt, profile_cold)
         offline.connector_stats()  # the warm-up's saves end before anything is timed
         miss = offline.generate(llm, prompt, max_tokens=1)
         before = offline.connector_stats()
         hits = [offline.generate(llm, prompt, max_tokens=1) for _ in range(2)]
         hit_s = min(h.seconds for h in hits)
         stats = offline.connector_stats()
-        hot_spots = _profiled_hit(llm, prompt) if profile and not decode_tokens else None
+        hot_spots = _profiled(llm, prompt, "hit")[1] if profile and not decode_tokens else None
         decode: dict[str, float] = {}
         released = offline.request_counters(llm).get("blocks_released", 0)
         if decode_tokens:
@@ -171,7 +181,7 @@ def measure(
             long_hit = offline.generate(llm, prompt, max_tokens=1 + decode_tokens)
             released = offline.request_counters(llm).get("blocks_released", 0) - released
             if profile:  # with --decode-tokens, --profile covers a hit and its decode
-                hot_spots = _profiled_hit(llm, prompt, max_tokens=1 + decode_tokens)
+                hot_spots = _profiled(llm, prompt, "hit", 1 + decode_tokens)[1]
             fresh = _other_prompt(_other_prompt(prompt))
             long_miss = offline.generate(llm, fresh, max_tokens=1 + decode_tokens)
             decode = {
@@ -227,6 +237,8 @@ def measure(
         row["policy_params"] = policy_params
     if hot_spots is not None:
         row["profile_hit"] = hot_spots
+    if cold_spots is not None:
+        row["profile_cold"] = cold_spots
     return row
 
 
@@ -237,6 +249,7 @@ def _measure_without_connector(
     shape: str | None,
     block_size: int,
     decode_tokens: int,
+    profile_cold: bool = False,
 ) -> dict[str, Any]:
     """A row of vLLM alone (no connector, so no store, hits or counters): the cold first
     request of a fresh engine, then ``prompt`` computed (its recompute TTFT); with
@@ -253,7 +266,7 @@ def _measure_without_connector(
         engine=engine,
     )
     try:
-        cold = offline.generate(llm, _other_prompt(prompt), max_tokens=1)
+        cold, cold_spots = _cold_request(llm, prompt, profile_cold)
         miss = offline.generate(llm, prompt, max_tokens=1)
         decode_ms = None
         if decode_tokens:
@@ -275,6 +288,8 @@ def _measure_without_connector(
     }
     if decode_tokens:
         row.update(decode_ms_hit=None, decode_ms_recompute=decode_ms, decode_ratio=None)
+    if cold_spots is not None:
+        row["profile_cold"] = cold_spots
     return row
 
 
@@ -316,38 +331,60 @@ def _other_prompt(prompt: list[int]) -> list[int]:
     return [prompt[-1], *prompt[:-1]] if prompt[0] != prompt[-1] else [prompt[0] + 1, *prompt[1:]]
 
 
-def _profiled_hit(
-    llm: Any, prompt: list[int], top: int = 30, max_tokens: int = 1
-) -> list[dict[str, Any]]:
-    """cProfile of one more hit (generating ``max_tokens``): the ``top`` functions by
-    cumulative time (seconds)."""
+def _cold_request(
+    llm: Any, prompt: list[int], profile: bool
+) -> tuple[Any, list[dict[str, Any]] | None]:
+    """The fresh engine's first request (a prompt of the same length sharing no chunk with
+    ``prompt``), under cProfile when ``profile`` (its time then includes the profiler's)."""
+    from connectors.vllm import offline
+
+    if profile:
+        return _profiled(llm, _other_prompt(prompt), "cold")
+    return offline.generate(llm, _other_prompt(prompt), max_tokens=1), None
+
+
+def _profiled(
+    llm: Any, prompt: list[int], label: str, max_tokens: int = 1, top: int = 30
+) -> tuple[Any, list[dict[str, Any]]]:
+    """One request (generating ``max_tokens``) under cProfile: its output and the ``top``
+    functions by cumulative time (seconds), logged under ``label``."""
     from connectors.vllm import offline
 
     profiler = cProfile.Profile()
     profiler.enable()
-    offline.generate(llm, prompt, max_tokens=max_tokens)
+    out = offline.generate(llm, prompt, max_tokens=max_tokens)
     profiler.disable()
+    return out, _top_functions(profiler, label, top)
+
+
+def _top_functions(profiler: cProfile.Profile, label: str, top: int) -> list[dict[str, Any]]:
+    """The ``top`` functions by cumulative time, then the ``top`` by own time not among
+    them (where a stall is spent: an allocation, a compile, a synchronization)."""
     stats = pstats.Stats(profiler)
     rows = []
     for (file, line, name), (_, calls, tot, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append(
             {
-                "function": f"{Path(file).name}:{line}({name})",
+                "function": f"{'/'.join(Path(file).parts[-2:])}:{line}({name})",
                 "calls": calls,
                 "cum_s": round(cum, 5),
                 "tot_s": round(tot, 5),
             }
         )
-    rows.sort(key=lambda r: r["cum_s"], reverse=True)
-    for r in rows[:top]:
+    by_cum = sorted(rows, key=lambda r: r["cum_s"], reverse=True)[:top]
+    shown = {r["function"] for r in by_cum}
+    by_own = sorted(rows, key=lambda r: r["tot_s"], reverse=True)[:top]
+    chosen = by_cum + [r for r in by_own if r["function"] not in shown]
+    for r in chosen:
         logger.info(
-            "hit profile %8.4f s cum %8.4f s own %7d calls %s",
+            "%s profile %8.4f s cum %8.4f s own %7d calls %s",
+            label,
             r["cum_s"],
             r["tot_s"],
             r["calls"],
             r["function"],
         )
-    return rows[:top]
+    return chosen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -382,6 +419,7 @@ def run(args: argparse.Namespace) -> int:
                 args.per_head_slack,
                 args.decode_tokens,
                 configs.get(policy),
+                profile_cold=args.profile_cold,
             )
             for policy in tqdm(policies, desc="policies")
         ]

@@ -2,7 +2,7 @@
 # Device machine, repository root, after scripts/gpu/device_setup.sh: vLLM's own serving
 # benchmark against `vllm serve`, vLLM alone and with the connector (SnapKV 0.25 packed in
 # place, every other option at its default: cuda_graphs "auto"), then `lmcompact bench itl`
-# on the connector's step trace: docs/benchmarks/serve-itl-h200.{json,png}.
+# on the connector's step trace: docs/benchmarks/serve-itl-<card>.{json,png} (h100 or h200).
 # Needs a tokenizer in $TOK (any Llama-style tokenizer.json whose ids fit the vocabulary:
 # SmolLM2's) and aiohttp for the client on $AIO (both are carried in .vcarry).
 #   bash scripts/gpu/serve_itl.sh            # 24 x (16k + 1024), pool of 6 full requests
@@ -18,6 +18,7 @@ O=${O:-1024}
 POOL=$((6 * ((P + O + 31) / 32) + 1))  # 6 full requests, block 32, plus vLLM's null block
 PORT=8011
 mkdir -p "$OUT"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200' | tr A-Z a-z)
 MODEL=$(python3 -c "from pathlib import Path; from lmcompact.bench.serve import shape_folder; print(shape_folder('llama3-8b', Path('/tmp/shapes')))")
 cp "$TOK"/tokenizer*.json "$MODEL"/
 EXTRA='{"policy": "snapkv", "budget": 0.25, "store": false, "release": {"prefill": "pack"}, "step_trace": "'$OUT'/steps.jsonl"}'
@@ -54,4 +55,4 @@ one_run lmcompact --kv-transfer-config "$TRANSFER"
 grep -E "cuda_graphs|compacted .* in place" "$OUT/serve-lmcompact.log" | head -3
 python3 -m lmcompact bench itl --result "$OUT/bench-lmcompact.json" \
   --baseline "$OUT/bench-vllm.json" --trace "$OUT/steps.jsonl" \
-  --json "$OUT/serve-itl-h200.json" --plot "$OUT/serve-itl-h200.png"
+  --json "$OUT/serve-itl-${CARD:-gpu}.json" --plot "$OUT/serve-itl-${CARD:-gpu}.png"

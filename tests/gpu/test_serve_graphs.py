@@ -125,6 +125,24 @@ def test_policy_none_equals_baseline_with_graphs(model_dir: Path) -> None:
     assert len({tuple(t) for t in base}) == 2  # the prompt matters to this model
 
 
+def test_store_warm_up_rehearses_a_save_that_stores_nothing(model_dir: Path) -> None:
+    """``store.warm_up``: the start-up save rehearsal ran, stored and counted nothing, and
+    the store path works after it (a prompt is stored, then loaded)."""
+    from connectors.vllm import offline
+
+    with engine(model_dir, {"policy": "snapkv", "budget": 0.25}) as llm:
+        connector = offline.worker_connector()
+        assert connector is not None and connector.worker.save_rehearsal_s is not None
+        assert offline.connector_stats().get("saves", 0) == 0
+        assert offline.request_counters(llm).get("bytes_stored", 0) == 0
+        ids = prompt(3)
+        generate(llm, ids, 1)
+        stats = offline.connector_stats()
+        assert stats["saves"] >= 1 and stats["bytes_stored"] > 0
+        generate(llm, ids, 1)
+        assert offline.connector_stats()["loaded_chunks"] > 0
+
+
 def _cache_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values

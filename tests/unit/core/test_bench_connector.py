@@ -109,7 +109,10 @@ def test_run_accepts_false_and_prints_cold_vs_warm(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    def measure(model: str, prompt: list[int], policy: str, *rest: Any) -> dict[str, Any]:
+    def measure(
+        model: str, prompt: list[int], policy: str, *rest: Any, profile_cold: bool
+    ) -> dict[str, Any]:
+        assert profile_cold is False  # no --profile-cold
         seen[policy] = rest[-1]
         exact = policy == "none"
         return {
