@@ -71,7 +71,8 @@ from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
-from lmcompact.store.transfer import CopierPool, PendingCopy, StreamCopier
+from lmcompact.store.pinned_pool import PinnedBufferPool, size_class
+from lmcompact.store.transfer import CopierPool, PendingCopy
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Worker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcompact-save")
         self._pending: list[Future[None]] = []
         self._save_copiers = CopierPool()  # CUDA: page copies to the host on a side stream
+        self._host_pool = PinnedBufferPool()  # their pinned destinations (CUDA only)
         self._pending_bytes = 0  # page copies held by queued background saves
         self._lock = threading.Lock()
         self._report = wire.WorkerReport()
@@ -257,10 +259,11 @@ class Worker:
 
     def _warm_save_buffers(self) -> None:
         """``store.warm_up``: the pinned host buffers of the saves a step can make, one per
-        layer for each power-of-two span of chunks up to a step's token budget (torch's
-        host allocator caches pinned memory by power-of-two size), allocated now rather
-        than by the first requests that store (a page-locked allocation of gigabytes, and
-        a device synchronization, inside their prefill)."""
+        layer for each power-of-two span of chunks up to a step's token budget, allocated
+        now into the worker's own pool (:class:`PinnedBufferPool`: vLLM's graph capture
+        empties torch's host cache) rather than by the first requests that store (a
+        page-locked allocation of gigabytes, and a device synchronization, inside their
+        prefill)."""
         began = time.perf_counter()
         chunk = self.config.store.chunk_size
         scheduler = self.vllm_config.scheduler_config
@@ -270,15 +273,14 @@ class Worker:
         )
         pages = next(iter(self.kv_caches.values()))
         per_token = pages[0].nbytes // self.facts.block_size  # one token's page bytes
-        size = 1 << (chunk * per_token - 1).bit_length()  # the class of one chunk's span
-        top = 1 << (max(chunk, most) * per_token - 1).bit_length()
-        cached = 0
+        size = size_class(chunk * per_token)  # the class of one chunk's span
+        top = size_class(max(chunk, most) * per_token)
         while size <= top:
-            cached += StreamCopier.warm_host_buffers(size, len(self.kv_caches))
+            self._host_pool.reserve(size, len(self.kv_caches))
             size *= 2
         logger.info(
             "store warm-up: %.2f GiB of pinned host buffers for saves of up to %d tokens in %.1f s",
-            cached / 2**30,
+            self._host_pool.held_bytes / 2**30,
             most,
             time.perf_counter() - began,
         )
@@ -989,7 +991,7 @@ class Worker:
         copier = self._save_copiers.for_copy(device, torch.device("cpu"))
         if copier is None or any(tensors[i].device != device for i in on_cuda):
             return [t.cpu() for t in tensors], None  # more than one GPU: plain copies
-        copies, pending = copier.to_host([tensors[i] for i in on_cuda])
+        copies, pending = copier.to_host([tensors[i] for i in on_cuda], self._host_pool)
         for i, copy in zip(on_cuda, copies, strict=True):
             out[i] = copy
         return out, pending

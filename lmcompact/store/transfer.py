@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcompact.store.chunk import CompactedChunk, packed_span, unpack_views
+from lmcompact.store.pinned_pool import PinnedBufferPool
 
 
 def needs_stream_copy(source: torch.device, destination: torch.device) -> bool:
@@ -155,23 +156,33 @@ class StreamCopier:
                 t.record_stream(self.stream)
         return CompactedChunk._trusted(dst[1], dst[2], chunk.kept_counts, dst[0], chunk.num_tokens)
 
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], PendingCopy]:
-        """Queue copies of tensors on this device into fresh pinned host tensors.
+    def to_host(
+        self, tensors: Sequence[torch.Tensor], pool: PinnedBufferPool | None = None
+    ) -> tuple[list[torch.Tensor], PendingCopy]:
+        """Queue copies of tensors on this device into pinned host tensors.
 
         For a saver that must not hold up the forward pass (e.g. KV pages gathered on the
         device): the copies start after the work queued so far on the current stream; call
         :meth:`PendingCopy.wait` (host) before reading the returned tensors. The pinned
-        buffers come from torch's host allocator cache; a miss there allocates page-locked
-        memory, which CUDA makes synchronize the device (so the first saves of a new size
-        wait once; drop the returned tensors when done so later saves reuse them).
+        buffers come from ``pool`` (reserved at start-up, see
+        :class:`~lmcompact.store.pinned_pool.PinnedBufferPool`) or, without one, from
+        torch's host allocator cache; a miss allocates page-locked memory, which CUDA makes
+        synchronize the device. Drop the returned tensors when done so later saves reuse
+        their buffers.
 
         Args:
             tensors: tensors on this device, any shapes and dtypes.
+            pool: where the host buffers come from.
 
         Returns:
             Pinned host tensors of the same shapes and dtypes, and the pending copy.
         """
-        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        out = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if pool is None
+            else pool.take(t.shape, t.dtype)
+            for t in tensors
+        ]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for o, t in zip(out, tensors, strict=True):
@@ -184,18 +195,6 @@ class StreamCopier:
             event = torch.cuda.Event()
             event.record(self.stream)
         return out, PendingCopy(event, torch.device("cpu"), tuple(tensors))
-
-    @staticmethod
-    def warm_host_buffers(nbytes: int, count: int) -> int:
-        """Put ``count`` pinned host buffers of ``nbytes`` into torch's host allocator cache
-        (allocated, then freed; it keeps pinned memory by power-of-two size, so a later
-        :meth:`to_host` of a size that rounds to ``nbytes`` reuses them): no save then pays
-        the page-locked allocation, and the device synchronization CUDA makes it do,
-        during a request. Returns the bytes now cached."""
-        buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
-        total = sum(b.nbytes for b in buffers)
-        del buffers
-        return total
 
     def to_device(self, chunks: list[CompactedChunk]) -> tuple[list[CompactedChunk], PendingCopy]:
         """Load host chunks onto this device, each into one fresh packed buffer.

@@ -11,6 +11,7 @@ import torch
 
 from connectors.vllm.worker import Worker
 from lmcompact.compaction.save_job import SaveJob
+from lmcompact.store.pinned_pool import PinnedBufferPool
 from lmcompact.store.transfer import CopierPool
 from tests.gpu.test_store_transfer import sleep_cycles
 
@@ -23,6 +24,7 @@ pytestmark = [
 def saver() -> Worker:
     half = Worker.__new__(Worker)  # only the copy helper (Worker._to_host) is exercised
     half._save_copiers = CopierPool()
+    half._host_pool = PinnedBufferPool()
     return half
 
 
@@ -95,23 +97,30 @@ def test_window_masses_on_the_gpu_match_the_host_reference() -> None:
         torch.testing.assert_close(got.cpu(), want, rtol=3e-2, atol=1e-3)
 
 
-def test_warmed_host_buffers_serve_the_first_saves() -> None:
-    """``store.warm_up``: after :meth:`StreamCopier.warm_host_buffers`, copies to the host of
-    sizes in the warmed power-of-two classes allocate no new pinned memory."""
-    from lmcompact.store.transfer import StreamCopier
-
+def test_reserved_pool_buffers_serve_the_first_saves_after_graph_capture() -> None:
+    """``store.warm_up``: buffers reserved in the worker's :class:`PinnedBufferPool` serve
+    copies to the host of sizes in the reserved power-of-two classes with no new pinned
+    allocation, even after a CUDA graph capture emptied torch's own host cache (torch's
+    graph capture calls ``torch.accelerator.empty_host_cache()``: a warm-up through that
+    cache was gone before vLLM served its first request)."""
     layers, per_token = 4, 8 * 256 * 2  # 8 KV heads, K and V of 128, bf16
     copier = CopierPool().for_copy(torch.device("cuda"), torch.device("cpu"))
     assert copier is not None
+    pool = PinnedBufferPool()
     size = 1 << 20  # a 256-token span at 4 KiB per token
     while size <= 1 << 24:
-        StreamCopier.warm_host_buffers(size, layers)
+        pool.reserve(size, layers)
         size *= 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # what vLLM's start-up capture does to torch's cache
+        torch.ones(8, device="cuda").mul_(2)
     before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    reserved = pool.allocations
     for tokens in (256, 768, 3000, 4096):  # classes 1, 4, 16 and 16 MiB
         pages = [torch.ones(tokens * per_token // 2, dtype=torch.bfloat16, device="cuda")]
-        host, pending = copier.to_host(pages * layers)
+        host, pending = copier.to_host(pages * layers, pool)
         pending.wait()
-        assert all(bool((h == 1).all()) for h in host)
+        assert all(bool((h == 1).all()) and h.is_pinned() for h in host)
         del host
+    assert pool.allocations == reserved
     assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
