@@ -5,9 +5,10 @@ A copy from the GPU into pageable memory is synchronous, and a fresh page-locked
 host allocator caches freed pinned blocks, but every CUDA graph capture empties that cache
 (``torch.cuda.graph`` calls ``torch.accelerator.empty_host_cache()``), and vLLM captures its
 graphs after the connector registered its KV caches: a warm-up through torch's cache is gone
-before the first request. This pool owns its buffers: :meth:`PinnedBufferPool.reserve` allocates them at start-up,
-:meth:`PinnedBufferPool.take` hands one out (a buffer is taken back automatically once no
-tensor views it any more), and a miss allocates a new one that stays in the pool.
+before the first request. This pool owns its buffers: :meth:`PinnedBufferPool.reserve`
+allocates them at start-up, :meth:`PinnedBufferPool.take` hands one out (a buffer is taken
+back automatically once no tensor views it any more), and a miss allocates a new one that
+stays in the pool.
 """
 
 from __future__ import annotations
