@@ -56,3 +56,6 @@ grep -E "cuda_graphs|compacted .* in place" "$OUT/serve-lmcompact.log" | head -3
 python3 -m lmcompact bench itl --result "$OUT/bench-lmcompact.json" \
   --baseline "$OUT/bench-vllm.json" --trace "$OUT/steps.jsonl" \
   --json "$OUT/serve-itl-${CARD:-gpu}.json" --plot "$OUT/serve-itl-${CARD:-gpu}.png"
+# the device hands back a few files per call: the server logs and step traces travel as one
+tar czf "$OUT/serve-itl-${CARD:-gpu}-logs.tgz" -C "$OUT" serve-vllm.log serve-lmcompact.log \
+  steps.jsonl steps.jsonl.rank0 && rm -f "$OUT"/serve-*.log "$OUT"/steps.jsonl*
