@@ -152,19 +152,11 @@ def measure(
             extra["policy_params"] = policy_params
         if per_head_slack is not None and policy != "none":
             store["per_head"] = {"slack": per_head_slack}
-    dtype, engine = engine_options(shape)
     if shape is not None and isinstance(store, dict):
         store.setdefault(
             "cpu_capacity_mb", 16384
         )  # a 16k prompt of the 8B shape is 2 GiB uncompacted
-    llm = offline.build_llm(
-        model,
-        extra,
-        dtype=dtype,
-        max_model_len=len(prompt) + 64,
-        block_size=block_size,
-        engine=engine,
-    )
+    llm = _engine_for(model, extra, shape, len(prompt), block_size)
     try:
         cold, cold_spots = _cold_request(llm, prompt, profile_cold)
         offline.connector_stats()  # the warm-up's saves end before anything is timed
@@ -256,15 +248,7 @@ def _measure_without_connector(
     ``decode_tokens``, a prompt never seen decoding that many more tokens."""
     from connectors.vllm import offline
 
-    dtype, engine = engine_options(shape)
-    llm = offline.build_llm(
-        model,
-        None,
-        dtype=dtype,
-        max_model_len=len(prompt) + 64,
-        block_size=block_size,
-        engine=engine,
-    )
+    llm = _engine_for(model, None, shape, len(prompt), block_size)
     try:
         cold, cold_spots = _cold_request(llm, prompt, profile_cold)
         miss = offline.generate(llm, prompt, max_tokens=1)
@@ -329,6 +313,23 @@ def _other_prompt(prompt: list[int]) -> list[int]:
     """A prompt of the same length that shares no chunk with ``prompt`` (its first token
     differs, and chunk keys hash the whole prefix)."""
     return [prompt[-1], *prompt[:-1]] if prompt[0] != prompt[-1] else [prompt[0] + 1, *prompt[1:]]
+
+
+def _engine_for(
+    model: str, extra: dict[str, Any] | None, shape: str | None, prompt_len: int, block_size: int
+) -> Any:
+    """A fresh in-process engine for one row (``extra`` None: without the connector)."""
+    from connectors.vllm import offline
+
+    dtype, engine = engine_options(shape)
+    return offline.build_llm(
+        model,
+        extra,
+        dtype=dtype,
+        max_model_len=prompt_len + 64,
+        block_size=block_size,
+        engine=engine,
+    )
 
 
 def _cold_request(

@@ -133,3 +133,24 @@ def test_run_accepts_false_and_prints_cold_vs_warm(
     assert "| cold_vs_warm |" in capsys.readouterr().out
     rows = json.loads((tmp_path / "connector.json").read_text())["rows"]
     assert [r["recompute_vs_exact"] for r in rows] == [0.5, 1.0]
+
+
+def test_profile_lists_cumulative_then_own_time_leaders() -> None:
+    import cProfile
+    import time
+
+    def sleeper() -> None:
+        time.sleep(0.05)  # the most own time
+
+    def caller() -> None:  # the most cumulative time: the sleep and some work of its own
+        sleeper()
+        sum(range(200_000))
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    caller()
+    profiler.disable()
+    names = [r["function"] for r in bench_connector._top_functions(profiler, "test", top=1)]
+    assert len(names) == 2
+    assert "caller" in names[0]
+    assert "time.sleep" in names[1]
