@@ -832,23 +832,6 @@ def resolve_auto(
     return policy, dataclasses.replace(store, compact_on=on, quantize=quantize)
 
 
-def without_two_stages(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``extra`` with the save path in place of ``"both"`` when ``"both"`` is only the
-    default (``policy`` and ``store.compact_on`` left to ``"auto"``), else None: for
-    engines the two-stage path cannot run exactly on (sliding-window layers), where the
-    default then stores a ``self_info`` selection compacted on save, int8 like the
-    two-stage default's (unless ``store.quantize`` is named)."""
-    top = dict(extra or {})
-    group = top.get(STORE_KEY)
-    store = dict(group) if isinstance(group, Mapping) else {}
-    if top.get("policy", AUTO) != AUTO or store.get("compact_on", AUTO) != AUTO:
-        return None
-    if group is False or RELEASE_KEY in top:
-        return None  # no store, or a release group the user asked for: leave it to them
-    top[STORE_KEY] = {"quantize": "int8", **store, "compact_on": "save"}
-    return top
-
-
 def _store_group(top: dict[str, Any]) -> StoreOptions:
     """Pop the ``"store"`` group from ``top``; ``"store": false`` keeps the store path off."""
     top_level = {f.name for f in dataclasses.fields(ConnectorConfig)}

@@ -216,6 +216,14 @@ def request_counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def loadable_chunks(llm: Any, prompt_len: int) -> int | None:
+    """Leading store chunks the connector lets a prompt of ``prompt_len`` tokens load
+    (:meth:`connectors.vllm.scheduler.Scheduler.loadable_chunks`); None without a store."""
+    scheduler = scheduler_connector(llm)
+    half = None if scheduler is None else scheduler.scheduler
+    return None if half is None else half.loadable_chunks(prompt_len)
+
+
 def shutdown(llm: Any) -> None:
     """Stop an in-process engine (and the connector's background saver)."""
     from connectors.vllm.patches import engine as engine_patch

@@ -156,6 +156,8 @@ class Scheduler:
         self.store = self.rank_stores[0]
         self.keyer = ChunkKeyer(spec.namespaces[0], config.store.chunk_size)
         self.slots = spec.slots
+        window = facts.sliding_window
+        self.recompute_window = window if window and spec.slots < config.store.chunk_size else 0
         self.save_wait_s = save_wait_s
         self.policy = spec.store_policy  # what the saved chunks' compaction reads
         self.states = RequestStates()  # the one record per live request
@@ -281,7 +283,7 @@ class Scheduler:
             # loads pack each head's rows from slot 0 (after vLLM's own hits they could not)
             return 0
         first = num_computed // c
-        last = (len(tracked.prompt) - 1) // c  # leave >= 1 token for vLLM to compute
+        last = self.loadable_chunks(len(tracked.prompt))
         if last <= first:
             return 0
         now = time.monotonic()
@@ -300,6 +302,19 @@ class Scheduler:
         self.stats["hits"] += 1
         tracked.pending, tracked.pending_start = present - first, num_computed
         return tracked.pending * c
+
+    def loadable_chunks(self, prompt_len: int) -> int:
+        """Leading chunks a prompt of ``prompt_len`` tokens may load: every whole chunk
+        but the one with its last token (vLLM computes >= 1 token) and, where compacted
+        loads meet sliding-window layers, every chunk inside its last window: a compacted
+        load shows those layers only its last chunk's kept rows (:mod:`lmcompact.compaction
+        .holes`), so the window before the prompt's end is computed in full, the questions
+        at its end see a whole window and an in-place pack keeps exact windows."""
+        c = self.config.store.chunk_size
+        last = (prompt_len - 1) // c
+        if self.recompute_window:
+            last = min(last, max(0, prompt_len - self.recompute_window) // c)
+        return last
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM allocated blocks for the matched tokens (or none)."""

@@ -19,10 +19,8 @@ import torch
 
 from connectors.vllm.config import (
     BUDGET_TOLERANCE,
-    DEFAULT_STORE_POLICY,
     ConnectorConfig,
     kept_blocks,
-    without_two_stages,
 )
 from connectors.vllm.disaggregation import KV_BOTH, check_role, options_for_role
 from connectors.vllm.kv_dtype import fp8_store_defaults, refuse_fp8_combinations
@@ -86,14 +84,6 @@ class ConnectorSpec:
             spec = _SPECS.get(key)
             if spec is None:
                 config = ConnectorConfig.from_extra(extra)
-                fallback = without_two_stages(extra) if facts.sliding_window else None
-                if config.two_stage and fallback is not None:
-                    logger.info(
-                        "sliding-window layers: two-stage loads cannot be exact here, so the "
-                        "default stored-prefix path stores a %s selection compacted on save",
-                        DEFAULT_STORE_POLICY,
-                    )
-                    config = ConnectorConfig.from_extra(fallback)
                 spec = cls.from_parts(config, facts, max_len, kv_role=role)
                 _SPECS[key] = spec
         return spec

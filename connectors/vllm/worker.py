@@ -387,15 +387,13 @@ class Worker:
             len(self.layers),
             "/".join(str(w) for w in sorted(windows)),
         )
-        if self.config.store_compacts and self.kept < smallest:  # whole chunks lose nothing
-            logger.warning(
-                "kept %d tokens per chunk < sliding window %d: after a store load, sliding "
-                "layers see only the last %d tokens of the loaded prefix (exact masking, "
-                "fewer tokens); a budget keeping >= %d tokens per chunk loses nothing there",
-                self.kept,
-                smallest,
-                self.kept,
-                smallest,
+        if self.config.store_compacts:
+            logger.info(
+                "compacted store loads stop a window (%d tokens) before the prompt's end: "
+                "the engine computes that window, whose sliding layers see the last %d "
+                "tokens of the loaded prefix (exact masking)",
+                max(windows),
+                min(self.kept, smallest),
             )
 
     def slice_keys(self, keys: list[ChunkKey]) -> list[ChunkKey]:
@@ -1220,8 +1218,6 @@ class Worker:
         if self._planner().decode_recent_blocks is not None:
             name = self.config.release.decode_policy if self.config.release else "h2o"
             refused.append(f"{g}.decode_policy {name!r} (a merging decode policy)")
-        if self.config.two_stage:
-            refused.append("store.compact_on 'both' (two-stage loads)")
         if refused:
             raise ValueError(
                 f"{' and '.join(refused)} cannot be exact on a model with sliding-window "

@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(single-pass sampled queries) instead of KVzip's reconstruction request",
     )
     parser.add_argument(
+        "--window",
+        type=int,
+        default=32,
+        help="--engine vllm: the connector's observation window (the prompt's last queries "
+        "that score tokens for window-scored policies; a question must fit in it)",
+    )
+    parser.add_argument(
         "--chunk-size",
         type=int,
         default=256,
@@ -226,6 +233,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             reconstruct=args.reconstruct,
             policy_params=args.policy_params,
             chunk_size=args.chunk_size,
+            window=args.window,
             per_head_slack=args.per_head_slack,
             per_head_layer_slack=args.per_head_layer_slack,
             store_budget=args.store_budget,

@@ -140,10 +140,14 @@ def tp_rank() -> int:
 def _config_sliding_window(model_config: Any) -> int | None:
     """The model config's sliding window (None when it declares none).
 
-    Only names stored chunks (their sliding-layer rows are each chunk's most recent tokens);
-    which layers slide is read from the attention layers on the worker.
+    Names stored chunks (their sliding-layer rows are each chunk's most recent tokens) and
+    sizes the prompt tail a compacted load leaves to compute; which layers slide is read from
+    the attention layers on the worker. Configs that carry a window but switch it off
+    (Qwen2's ``use_sliding_window: false``) declare none.
     """
     text = getattr(model_config, "hf_text_config", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
     window = getattr(text, "sliding_window", None)
     return int(window) if isinstance(window, int) and window > 0 else None
 

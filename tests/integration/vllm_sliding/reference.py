@@ -9,7 +9,9 @@ Runs the same model in float32 with eager attention, with one mask per
 
 ``kept`` are the logical positions the engine kept of the compacted span ``[0, span)``;
 queries before ``from_query`` (the prompt rows that were computed before the compaction)
-see the whole span. The window comes from the model (each attention module's own
+see the whole span. Several compactions apply one after the other (a two-stage load: the
+loaded selection, then the pack at the prompt's end), each with its own ``(span,
+from_query, kept)``. The window comes from the model (each attention module's own
 ``sliding_window``), so this is the attention a correct engine must compute.
 """
 
@@ -62,7 +64,7 @@ def visible(
 
 
 class _State:
-    compaction: Compaction | None = None
+    stages: tuple[Compaction, ...] = ()
 
 
 def _attention(
@@ -82,16 +84,15 @@ def _attention(
 
     q_len, k_len = query.shape[2], key.shape[2]
     q_pos = torch.arange(k_len - q_len, k_len)  # queries are the last rows (see greedy)
-    c = _State.compaction
     window = getattr(module, "sliding_window", None)  # Llama-style models have none
     hq, hkv = query.shape[1], key.shape[1]
     masks = []
     for head in range(hkv):
-        if c is None:
-            masks.append(visible(q_pos, k_len, window, None, None))
-        else:
+        allowed = visible(q_pos, k_len, window, None, None)
+        for c in _State.stages:
             kept = torch.as_tensor(c.kept[module.layer_idx][head])
-            masks.append(visible(q_pos, k_len, window, kept, c))
+            allowed &= visible(q_pos, k_len, None, kept, c)
+        masks.append(allowed)
     allowed = torch.stack(masks).repeat_interleave(hq // hkv, dim=0)[None]  # (1, Hq, Lq, Lk)
     additive = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill(~allowed, float("-inf"))
     return eager_attention_forward(
@@ -111,17 +112,21 @@ def load(model_dir: str) -> Any:
     ).eval()
 
 
+Stages = Compaction | Sequence[Compaction] | None
+"""No compaction, one, or several applied in order."""
+
+
 @contextmanager
-def compacted(c: Compaction | None) -> Iterator[None]:
-    _State.compaction = c
+def compacted(c: Stages) -> Iterator[None]:
+    _State.stages = () if c is None else (c,) if isinstance(c, Compaction) else tuple(c)
     try:
         yield
     finally:
-        _State.compaction = None
+        _State.stages = ()
 
 
 def greedy(
-    model: Any, prompt: Sequence[int], new_tokens: int, c: Compaction | None
+    model: Any, prompt: Sequence[int], new_tokens: int, c: Stages
 ) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities.
 

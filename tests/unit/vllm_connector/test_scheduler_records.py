@@ -37,6 +37,7 @@ REVIEWED = {
     "block_size": "engine block size",
     "tp_size": "tensor-parallel ranks",
     "slots": "slots per loaded chunk",
+    "recompute_window": "sliding window a compacted load leaves to compute (0: none)",
     "save_wait_s": "wait for a chunk being saved",
     "policy": "the store policy (the spec's)",
     "capture": "whether packs capture window queries",

@@ -9,6 +9,7 @@ transformers reference).
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,17 @@ def test_sliding_window_feature_detection() -> None:
     assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=-1))) is None
     assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=(511, 0)))) == 512
     assert sliding_window(SimpleNamespace(impl=SimpleNamespace(sliding_window=(-1, -1)))) is None
+
+
+def test_config_window_switched_off_declares_none() -> None:
+    from connectors.vllm.patches.engine import _config_sliding_window
+
+    def config(**text: Any) -> SimpleNamespace:
+        return SimpleNamespace(hf_text_config=SimpleNamespace(**text))
+
+    assert _config_sliding_window(config(sliding_window=512)) == 512
+    assert _config_sliding_window(config(sliding_window=4096, use_sliding_window=False)) is None
+    assert _config_sliding_window(config(sliding_window=None)) is None
 
 
 # ------------------------------------------------------------------ budget geometry
@@ -68,3 +80,25 @@ def test_in_place_pack_geometry() -> None:
     assert pack_budget_honoured_from(HolePlanner(128, PrefillMode.PACK, 0.25), 4096) == 2432
     with pytest.raises(ValueError, match=r"at least 0\.0625"):
         pack_budget_honoured_from(HolePlanner(128, PrefillMode.PACK, 0.01), 2048)
+
+
+STORE = {"policy": "snapkv", "budget": 0.5, "store": {"chunk_size": 256}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "sliding_window", "prompt_len", "loadable"),
+    [
+        (STORE, 512, 2000, 5),  # (2000 - 512) // 256: the last window is computed
+        (STORE, 512, 1100, 2),
+        (STORE, 512, 600, 0),  # nothing before the window fills a chunk
+        (STORE, None, 2000, 7),  # no sliding layers: all but the last token's chunk
+        ({"policy": "none", "store": {"chunk_size": 256}}, 512, 2000, 7),  # whole chunks
+    ],
+)
+def test_compacted_loads_leave_the_last_window_to_compute(
+    extra: dict[str, Any], sliding_window: int | None, prompt_len: int, loadable: int
+) -> None:
+    """A compacted load shows sliding layers only its last chunk's kept rows; the chunks
+    inside a prompt's last window are computed so its end sees a whole window."""
+    built = fakes.scheduler(extra, sliding_window=sliding_window)
+    assert built.loadable_chunks(prompt_len) == loadable

@@ -131,29 +131,11 @@ def test_both_turns_the_release_group_on_when_it_is_not_named() -> None:
     assert implied.release is not None and implied.two_stage
 
 
-def test_sliding_window_engines_fall_back_from_the_default_two_stages_only() -> None:
-    """Two-stage loads are refused on sliding-window models; when "both" is only the
-    default, the connector stores a self_info selection on save instead (the spec
-    applies it), and leaves any named choice alone."""
-    from connectors.vllm.config import without_two_stages
+def test_sliding_window_engines_keep_the_two_stage_default() -> None:
+    """Sliding-window models get the same default as every other model: the scheduler
+    computes each prompt's last window itself, which keeps their windows exact."""
+    from tests.unit.vllm_connector.fakes import spec
 
-    fallback = without_two_stages({"budget": 0.25, "store": {"model_id": "m"}})
-    assert fallback == {
-        "budget": 0.25,
-        "store": {"quantize": "int8", "model_id": "m", "compact_on": "save"},
-    }
-    config = ConnectorConfig.from_extra(fallback)
-    assert (config.policy, config.store.compact_on, config.store.quantize) == (
-        "self_info",
-        "save",
-        "int8",
-    )
-    assert config.release is None and config.store_compacts
-    for named in (
-        BOTH,
-        {"policy": "snapkv", "budget": 0.25},
-        {"budget": 0.25, "store": {"compact_on": "both"}},
-        {"budget": 0.25, "release": {"prefill": "pack"}},
-        {"budget": 0.25, "store": False},
-    ):
-        assert without_two_stages(named) is None
+    built = spec({"budget": 0.25}, sliding_window=512)
+    assert built.config.two_stage and built.config.store_compacts
+    assert built.config.release is not None
