@@ -155,24 +155,37 @@ def _config_sliding_window(model_config: Any) -> int | None:
 PACKAGE_LOGGERS = ("connectors", "lmcompact")
 
 
+class EngineLogForwarder(logging.Handler):
+    """Hands each record to the ``vllm`` logger's handlers as they are when it is emitted
+    (vLLM may configure them again after the connector was built), unless the root logger
+    has handlers: the record reaches those by propagation (an application's or a test's
+    logging, or a library's in the engine process), and is not printed twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            logging.getLogger("vllm").handle(record)
+
+
 def share_engine_logging(names: tuple[str, ...] = PACKAGE_LOGGERS) -> None:
-    """Send this project's log records to vLLM's own handlers, at vLLM's level (idempotent).
+    """Send this project's log records where vLLM's go, at vLLM's level (idempotent).
 
     vLLM configures only its ``vllm`` logger tree (``propagate`` off); records of other
-    packages reach no handler, and Python's last-resort handler drops INFO. Called when a
-    connector is constructed, in whichever process (engine core, worker) that happens.
-    A logger that has handlers, or an application that configured the root logger, is
-    left alone: logging is then the application's choice.
+    packages reach no handler, and Python's last-resort handler drops INFO; where something
+    gave the root logger a handler, the root's WARNING level dropped INFO first. So each
+    package logger takes vLLM's level and forwards to vLLM's handlers
+    (:class:`EngineLogForwarder`). Called when a connector is constructed, in whichever
+    process (engine core, worker) that happens. A package logger that has handlers of its
+    own, or an engine whose ``vllm`` logger has none (vLLM's logging switched off), is left
+    alone: logging is then the application's choice.
     """
     engine = logging.getLogger("vllm")
-    if not engine.handlers or logging.getLogger().handlers:
+    if not engine.handlers:
         return
     for name in names:
         ours = logging.getLogger(name)
         if ours.handlers:
             continue
-        for handler in engine.handlers:
-            ours.addHandler(handler)
+        ours.addHandler(EngineLogForwarder())
         if ours.level == logging.NOTSET:
             ours.setLevel(engine.getEffectiveLevel())
 
