@@ -25,12 +25,12 @@ import torch
 from tests.integration.vllm_fp8.reference import load as load_fp8_reference
 from tests.integration.vllm_release.harness import BLOCK_SIZE
 from tests.integration.vllm_sliding import reference
+from tests.integration.vllm_sliding.recording import Seen, recording
 from tests.integration.vllm_sliding.test_gemma3_compacted import (
     CHUNK,
     EXTRA,
     LOGPROB_ATOL,
     NEW_TOKENS,
-    Seen,
     _generate,
     _prompt,
     _sliding_layers,
@@ -44,33 +44,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
-    import connectors.vllm.worker as worker_module
     from connectors.vllm.offline import engine
-    from connectors.vllm.worker import Worker
-
-    seen = Seen()
-    pack = worker_module.pack_in_place
-    fetch = Worker._fetch
-
-    def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
-        chosen = pack(*args, **kwargs)
-        seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
-        return chosen
-
-    def recording_fetch(self: Worker, spec: Any) -> Any:
-        chunks = fetch(self, spec)
-        if chunks is not None:
-            seen.loads.append((spec, [chunk.clone() for chunk in chunks]))
-        return chunks
 
     prompt = _prompt(gemma3_path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker_module, "pack_in_place", recording_pack)
-        patch.setattr(Worker, "_fetch", recording_fetch)
-        options = {"block_size": BLOCK_SIZE, "max_model_len": 2048, "kv_cache_dtype": "fp8"}
-        with engine(str(gemma3_path), EXTRA, **options) as llm:
-            seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
-            seen.outputs.append(_generate(llm, prompt))  # loaded from the store
+    options = {"block_size": BLOCK_SIZE, "max_model_len": 2048, "kv_cache_dtype": "fp8"}
+    with recording() as seen, engine(str(gemma3_path), EXTRA, **options) as llm:
+        seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
+        seen.outputs.append(_generate(llm, prompt))  # loaded from the store
     yield prompt, seen
 
 

@@ -17,7 +17,6 @@ applies each layer's own sliding window by *logical* position
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from tests.integration.vllm_release.harness import BLOCK_SIZE, release_engine
 from tests.integration.vllm_sliding import reference
+from tests.integration.vllm_sliding.recording import Seen, needle_prompt, recording
 
 pytestmark = pytest.mark.integration
 
@@ -42,23 +42,8 @@ EXTRA = {
 LOGPROB_ATOL = 1e-3
 
 
-@dataclass
-class Seen:
-    """What the engine kept: in-place packs and store loads, in order."""
-
-    packs: list[tuple[int, list[list[torch.Tensor]]]] = field(default_factory=list)
-    loads: list[tuple[Any, list[Any]]] = field(default_factory=list)  # (LoadSpec, chunks)
-    outputs: list[tuple[list[int], list[float]]] = field(default_factory=list)
-
-
 def _prompt(model_dir: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from lmcompact.eval.tasks import build_needle_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    needle = build_needle_prompt(tokenizer, PROMPT_TOKENS - 1, seed=3, depths=(0.4,))
-    return [tokenizer.bos_token_id, *needle.input_ids]
+    return needle_prompt(model_dir, PROMPT_TOKENS, seed=3, depth=0.4)
 
 
 def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -67,31 +52,10 @@ def _generate(llm: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
-    import connectors.vllm.worker as worker_module
-    from connectors.vllm.worker import Worker
-
-    seen = Seen()
-    pack = worker_module.pack_in_place
-    fetch = Worker._fetch
-
-    def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
-        chosen = pack(*args, **kwargs)
-        seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
-        return chosen
-
-    def recording_fetch(self: Worker, spec: Any) -> Any:
-        chunks = fetch(self, spec)
-        if chunks is not None:
-            seen.loads.append((spec, [chunk.clone() for chunk in chunks]))
-        return chunks
-
     prompt = _prompt(gemma3_path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker_module, "pack_in_place", recording_pack)
-        patch.setattr(Worker, "_fetch", recording_fetch)
-        with release_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
-            seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
-            seen.outputs.append(_generate(llm, prompt))  # loaded from the store
+    with recording() as seen, release_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
+        seen.outputs.append(_generate(llm, prompt))  # packed in place, chunks saved
+        seen.outputs.append(_generate(llm, prompt))  # loaded from the store
     yield prompt, seen
 
 

@@ -20,7 +20,6 @@ pack's choice, with each layer's window applied by *logical* position.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from tests.integration.vllm_release.harness import BLOCK_SIZE, release_engine, scheduler
 from tests.integration.vllm_sliding import reference
+from tests.integration.vllm_sliding.recording import Seen, needle_prompt, recording
 
 pytestmark = pytest.mark.integration
 
@@ -52,55 +52,18 @@ EXTRA = {
 LOGPROB_ATOL = 1e-3
 
 
-@dataclass
-class Seen:
-    """What the engine did: packs (span tokens, kept rows), loads (spec, chunks), outputs."""
-
-    packs: list[tuple[int, list[list[torch.Tensor]]]] = field(default_factory=list)
-    loads: list[tuple[Any, list[Any]]] = field(default_factory=list)
-    outputs: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    repacked_loads: int = 0
-
-
 def _prompt(model_dir: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from lmcompact.eval.tasks import build_needle_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    needle = build_needle_prompt(tokenizer, PROMPT_TOKENS - 1, seed=5, depths=(0.3,))
-    return [tokenizer.bos_token_id, *needle.input_ids]
+    return needle_prompt(model_dir, PROMPT_TOKENS, seed=5, depth=0.3)
 
 
 @pytest.fixture(scope="module")
-def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen]]:
-    import connectors.vllm.worker as worker_module
-    from connectors.vllm.worker import Worker
-
-    seen = Seen()
-    pack = worker_module.pack_in_place
-    fetch = Worker._fetch
-
-    def recording_pack(*args: Any, **kwargs: Any) -> list[list[torch.Tensor]]:
-        chosen = pack(*args, **kwargs)
-        seen.packs.append((int(args[3]), [[k.clone() for k in heads] for heads in chosen]))
-        return chosen
-
-    def recording_fetch(self: Worker, spec: Any) -> Any:
-        chunks = fetch(self, spec)
-        if chunks is not None:
-            seen.loads.append((spec, [chunk.clone() for chunk in chunks]))
-        return chunks
-
+def served(gemma3_path: Path) -> Iterator[tuple[list[int], Seen, int]]:
     prompt = _prompt(gemma3_path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker_module, "pack_in_place", recording_pack)
-        patch.setattr(Worker, "_fetch", recording_fetch)
-        with release_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
-            seen.outputs.append(reference.engine_greedy(llm, prompt, NEW_TOKENS))
-            seen.outputs.append(reference.engine_greedy(llm, prompt, NEW_TOKENS))
-            seen.repacked_loads = scheduler(llm).connector.scheduler.release_stats.repacked_loads
-    yield prompt, seen
+    with recording() as seen, release_engine(str(gemma3_path), EXTRA, max_model_len=2048) as llm:
+        seen.outputs.append(reference.engine_greedy(llm, prompt, NEW_TOKENS))
+        seen.outputs.append(reference.engine_greedy(llm, prompt, NEW_TOKENS))
+        repacked = scheduler(llm).connector.scheduler.release_stats.repacked_loads
+    yield prompt, seen, repacked
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +71,13 @@ def model(gemma3_path: Path) -> Any:
     return reference.load(str(gemma3_path))
 
 
-def test_two_stage_load_equals_masked_reference(served: tuple[list[int], Seen], model: Any) -> None:
-    prompt, seen = served
+def test_two_stage_load_equals_masked_reference(
+    served: tuple[list[int], Seen, int], model: Any
+) -> None:
+    prompt, seen, repacked = served
     window = int(model.config.sliding_window)
     sliding = {i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"}
-    assert seen.repacked_loads == 1 and len(seen.loads) == 1 and len(seen.packs) == 2
+    assert repacked == 1 and len(seen.loads) == 1 and len(seen.packs) == 2
     spec, chunks = seen.loads[0]
     n = len(chunks)
     # the chunks inside the prompt's last window are computed, not loaded
