@@ -61,11 +61,15 @@ top level, `"store"` and `"release"`. Any combination works (store only, release
  "kv_connector_module_path": "connectors.vllm.connector",
  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
  "{EXTRA}": {{
-     "policy": "snapkv", "budget": 0.5,
+     "budget": 0.25,
      "store": {{"chunk_size": 256, "tiers": ["cpu", "redis"],
                "redis_url": "redis://127.0.0.1:6379/0"}},
      "release": {{"prefill": "pack", "decode_budget_tokens": 512}}}}}}
 ```
+
+(the recommended path: `policy` left to `"auto"`, stored prefixes keep a query-agnostic
+selection, each loading request packs it to the budget with its question in view; a decode
+budget of 512 tokens bounds what a request keeps while it generates: [release](release.md).)
 
 Each option is a typed field with its rule (`lmcompact/options.py`, one validator). An
 unknown key or a bad value is refused naming the key as written (`release.sink_blocks`), the
