@@ -387,12 +387,12 @@ class Worker:
             len(self.layers),
             "/".join(str(w) for w in sorted(windows)),
         )
-        if self.config.store_compacts:
+        if self.config.store_compacts and self.facts.sliding_window:
             logger.info(
                 "compacted store loads stop a window (%d tokens) before the prompt's end: "
                 "the engine computes that window, whose sliding layers see the last %d "
                 "tokens of the loaded prefix (exact masking)",
-                max(windows),
+                self.facts.sliding_window,
                 min(self.kept, smallest),
             )
 
@@ -1206,13 +1206,22 @@ class Worker:
         distance (:mod:`lmcompact.compaction.holes`) need every head of a sliding layer to hold one
         contiguous run of recent tokens. Per-head counts (padding masked by a second
         attention pass without a window) and H2O decode (heavy hitters merged into the kept
-        region, scored without a window) break that.
+        region, scored without a window) break that. Two-stage loads are exact only while
+        the scheduler computes each prompt's last window (the model config's window, at
+        least every layer's: :meth:`connectors.vllm.scheduler.Scheduler.loadable_chunks`).
         """
         sliding = sorted(self.sliding_layers)
         if not sliding:
             return
         g = RELEASE_KEY
         refused = []
+        declared = self.facts.sliding_window or 0
+        widest = max(w for w in self.windows.values() if w is not None)
+        if self.config.two_stage and declared < widest:
+            refused.append(
+                f"store.compact_on 'both' (two-stage loads; the model config declares a "
+                f"window of {declared or 'none'}, its layers slide over up to {widest})"
+            )
         if self._planner().per_head_slack is not None:
             refused.append(f"{g}.per_head (per-head counts)")
         if self._planner().decode_recent_blocks is not None:

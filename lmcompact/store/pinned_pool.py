@@ -70,7 +70,7 @@ class PinnedBufferPool:
     def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A pinned host tensor of ``shape`` and ``dtype`` viewing a pool buffer (a free one
         of its class or up to :data:`LARGEST_STEP` times larger, else a new one)."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         size = size_class(nbytes)
         with self._lock:
             buffer = self._pop_free(size)

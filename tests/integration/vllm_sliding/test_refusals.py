@@ -36,6 +36,28 @@ def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> Non
         ensure_kv_transfer_shutdown()  # the refused engine's worker connector stays registered
 
 
+def test_two_stage_loads_without_a_declared_window_are_refused(
+    gemma3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler leaves the window the model config declares to compute; where that is
+    less than the layers' own window, two-stage loads would not be exact: refused."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    from connectors.vllm.patches import engine
+
+    monkeypatch.setattr(engine, "_config_sliding_window", lambda model_config: None)
+    try:
+        with (
+            pytest.raises(
+                ValueError, match=r"two-stage loads; the model config declares a window of none"
+            ),
+            release_engine(str(gemma3_path), {"budget": 0.25}, max_model_len=1024),
+        ):
+            pass
+    finally:
+        ensure_kv_transfer_shutdown()
+
+
 def test_store_per_head_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
     extra = {
         "policy": "kvzip",
