@@ -885,7 +885,12 @@ class Scheduler:
         if processed >= int(request.num_prompt_tokens):
             self._claim_for_h2o(req_id, row)
         grown = planner.grow_for_decode(
-            req_id, row[0].block_id, int(request.num_prompt_tokens), processed, self.step
+            req_id,
+            row[0].block_id,
+            int(request.num_prompt_tokens),
+            processed,
+            self.step,
+            merged=self._h2o_owned(req_id),
         )
         hole = state.hole
         if grown and self.guard is not None:

@@ -1109,10 +1109,15 @@ class Worker:
         if planner.per_head_slack is not None:
             self.perhead = self._per_head_attention()
         decode = None if self.config.release is None else self.config.release.decode_policy_object()
+        recent = self.sliding_layers  # merges keep their newest tokens, unscored
         if planner.decode_recent_blocks is not None and decode is not None:
-            self.heavy = self._observer(WindowScores, policy=decode, window=decode_window(decode))
+            self.heavy = self._observer(
+                WindowScores, policy=decode, window=decode_window(decode), recent_layers=recent
+            )
         elif planner.decode_recent_blocks is not None:
-            self.heavy = self._observer(HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads)
+            self.heavy = self._observer(
+                HeavyHitterScores, num_kv_heads=self.facts.num_kv_heads, recent_layers=recent
+            )
         if self.heavy is not None or (self.perhead is not None and self.perhead.tables is None):
             # they read this step's holes inside attention layers, on uncut metadata
             self.cut_at_build = False
@@ -1205,8 +1210,10 @@ class Worker:
         vLLM masks their window by key index; the exact ways to keep that index the logical
         distance (:mod:`lmcompact.compaction.holes`) need every head of a sliding layer to hold one
         contiguous run of recent tokens. Per-head counts (padding masked by a second
-        attention pass without a window) and H2O decode (heavy hitters merged into the kept
-        region, scored without a window) break that. Two-stage loads are exact only while
+        attention pass without a window) break that. Merging decode policies keep it: their
+        merges keep sliding layers' newest tokens
+        (:func:`lmcompact.compaction.heavy_hitters.newest_candidates`). Two-stage loads are
+        exact only while
         the scheduler computes each prompt's last window (the model config's window, at
         least every layer's: :meth:`connectors.vllm.scheduler.Scheduler.loadable_chunks`).
         """
@@ -1224,15 +1231,12 @@ class Worker:
             )
         if self._planner().per_head_slack is not None:
             refused.append(f"{g}.per_head (per-head counts)")
-        if self._planner().decode_recent_blocks is not None:
-            name = self.config.release.decode_policy if self.config.release else "h2o"
-            refused.append(f"{g}.decode_policy {name!r} (a merging decode policy)")
         if refused:
             raise ValueError(
                 f"{' and '.join(refused)} cannot be exact on a model with sliding-window "
                 f"layers ({len(sliding)} of {len(self.layers)} here): vLLM masks their "
                 "window by key index, which these modes do not keep equal to the logical "
-                "distance. Use a uniform policy (per_head off) and decode_policy 'recent'"
+                "distance. Use a uniform policy (per_head off)"
             )
 
     # ------------------------------------------------------------------ per step

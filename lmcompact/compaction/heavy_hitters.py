@@ -42,12 +42,17 @@ Limits: prompt tokens evicted before any decode query has scored them compete wi
 (the prompt's own attention is not accumulated); a prefill pack's kept tokens also start at
 0. Preemption drops the scores with the blocks. Per-head counts and StreamingLLM's
 ``blocks`` prefill are refused with this mode.
+
+Sliding-window layers (Gemma-3's local layers) are not scored: a merge keeps their most
+recent candidates (:func:`newest_candidates`), and the hole makes them skip the sinks
+(``window_lead``), so what they read is one run of consecutive positions ending at the query,
+at its logical distance, as vLLM's window mask by key index needs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +97,7 @@ def merge_heavy_hitters(
     kept_blocks: Sequence[int],
     merged_blocks: Sequence[int],
     sink_tokens: int,
+    recent_layers: Collection[int] = (),
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Keep each (layer, head)'s top-scored tokens of kept region + merged blocks.
 
@@ -103,6 +109,8 @@ def merge_heavy_hitters(
         kept_blocks: physical ids of the kept region's blocks (``K = len * block_size``).
         merged_blocks: physical ids of the blocks leaving (``M = len * block_size``).
         sink_tokens: slots ``[0, sink_tokens)`` stay as they are (block aligned, < K).
+        recent_layers: layers (sliding-window ones) that keep the ``K - s`` most recent
+            candidates whatever their scores: :func:`newest_candidates`.
 
     Returns:
         The new scores ``(L, Hkv, V)`` (kept region rescored, the merged blocks' slots cut
@@ -127,8 +135,11 @@ def merge_heavy_hitters(
         kept_k, kept_v = layout.read(kv, kept_blocks, s, k - s)  # (H, K - s, D)
         new_k, new_v = layout.read(kv, merged_blocks, 0, m)  # (H, M, D)
         candidates = torch.cat([scores[layer, :, s:k], scores[layer, :, k : k + m]], dim=-1)
-        order = torch.sort(candidates, dim=-1, descending=True, stable=True).indices
-        index = order[:, : k - s].sort(dim=-1).values  # candidate order: kept region first
+        if layer in recent_layers:
+            index = newest_candidates(candidates.shape[0], k - s, m, candidates.device)
+        else:
+            order = torch.sort(candidates, dim=-1, descending=True, stable=True).indices
+            index = order[:, : k - s].sort(dim=-1).values  # candidate order: kept region first
         chosen.append(index)
         new_kept[layer] = torch.gather(candidates, 1, index)
         keys = torch.cat([kept_k, new_k], dim=1)
@@ -147,6 +158,18 @@ def merge_heavy_hitters(
         dim=-1,
     )
     return merged, chosen
+
+
+def newest_candidates(heads: int, kept: int, merged: int, device: torch.device) -> torch.Tensor:
+    """``(heads, kept)`` indices of the ``kept`` most recent of ``kept + merged`` candidates.
+
+    What a sliding-window layer keeps at a merge: the merged blocks are the tokens right
+    before the tail, so its kept region then holds one run of consecutive positions that
+    ends where the tail starts, and with the sinks skipped (the hole's ``window_lead``)
+    every key it reads sits at its logical distance from every query, as vLLM's window mask
+    by key index needs (:mod:`lmcompact.compaction.holes`).
+    """
+    return torch.arange(merged, kept + merged, device=device).expand(heads, -1)
 
 
 @dataclass
@@ -168,11 +191,19 @@ class HeavyHitterScores(PageObserver[_ScoredRows]):
     """Worker-side H2O state: accumulated mass per request, merges (an attention observer).
 
     Args: those of :class:`lmcompact.compaction.page_observer.PageObserver` (``layer_index`` indexes
-    the scores), and ``num_kv_heads`` (Hkv).
+    the scores), ``num_kv_heads`` (Hkv) and ``recent_layers`` (sliding-window layers: their
+    merges keep the most recent candidates, so they are not scored).
     """
 
-    def __init__(self, *pages: Any, num_kv_heads: int, **named_pages: Any) -> None:
+    def __init__(
+        self,
+        *pages: Any,
+        num_kv_heads: int,
+        recent_layers: Collection[int] = (),
+        **named_pages: Any,
+    ) -> None:
         self.num_kv_heads = num_kv_heads
+        self.recent_layers = frozenset(recent_layers)
         super().__init__(*pages, **named_pages)
 
     def _setup(self) -> None:
@@ -219,6 +250,7 @@ class HeavyHitterScores(PageObserver[_ScoredRows]):
                 job.kept_blocks,
                 job.merged_blocks,
                 job.sink_tokens,
+                self.recent_layers,
             )
             self.scores[job.req_id] = merged
             self.stats["merges"] += 1
@@ -229,12 +261,12 @@ class HeavyHitterScores(PageObserver[_ScoredRows]):
     # ------------------------------------------------------------------ attention
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """After-attention observer: add this layer's key mass of the scored rows."""
-        if not self.scored:
+        layer = self.layer_index[name]
+        if not self.scored or layer in self.recent_layers:
             return
         rows = self._batch_rows(metadata, query.device)
         if rows is None:
             return
-        layer = self.layer_index[name]
         kv = self.kv_caches[name]
         queries = query.view(query.shape[0], -1, self.head_dim)[rows.query_index]
         if kernels.use_kernels(queries.device):

@@ -62,7 +62,9 @@ Sliding-window layers (``HoleState.window_lead``, see :mod:`lmcompact.compaction
 ``pack`` their kept tokens are the span's most recent ones, so the kept blocks sit at their
 logical distance and they skip nothing more (lead 0). The sinks of ``blocks`` mode, and the
 kept region once a hole grew during decode, would sit closer than they are: sliding layers
-skip everything before the hole (lead = start).
+skip everything before the hole (lead = start). Merging decode policies keep sliding layers'
+most recent candidates at every merge, so there they skip only the fixed blocks (sinks, or a
+protected prompt): the rest of the kept region runs on into the tail (lead = fixed).
 
 Two-stage loads (:meth:`HolePlanner.repack`): a request that loaded compacted chunks holds
 their kept rows in blocks ``[0, S)`` and a hole ``[S, S + L)`` before its own tail. At its
@@ -323,14 +325,22 @@ class HolePlanner:
 
     # ------------------------------------------------------------------ decode
     def grow_for_decode(
-        self, req_id: str, first_block: int, prompt_len: int, processed_tokens: int, step: int
+        self,
+        req_id: str,
+        first_block: int,
+        prompt_len: int,
+        processed_tokens: int,
+        step: int,
+        merged: bool = True,
     ) -> bool:
         """Grow the hole so that at most ``decode_budget_blocks`` full blocks stay outside it.
 
         Only blocks whose tokens are all processed (``< processed_tokens``) join the hole, and
         only once the prompt is processed and any pending pack has run. With H2O decode the
         caller must merge the blocks that joined (``[old stop, new stop)``) into the kept
-        region ``[0, hole.start)`` before anything reads or reuses them.
+        region ``[0, hole.start)`` before anything reads or reuses them; ``merged`` False
+        says it will not (prefix caching shares the request's blocks), and from then on
+        sliding-window layers skip the whole kept region.
 
         Returns:
             True when the hole changed.
@@ -341,9 +351,11 @@ class HolePlanner:
         hole = self.holes.get(req_id)
         if hole is None:
             start = max(self.sink_blocks, self.protected_blocks(prompt_len, None))
+            lead = start
             if self.decode_recent_blocks is not None:  # H2O: room for a kept region
                 start = self.protected_blocks(prompt_len, None) + budget - self.decode_recent_blocks
-            hole = HoleState(first_block, start, 0, visible_from=step, window_lead=start)
+                lead = self.merge_fixed_blocks(prompt_len, start)
+            hole = HoleState(first_block, start, 0, visible_from=step, window_lead=lead)
             self.holes[req_id] = hole
         if not hole.owned or hole.visible_from > step:
             return False
@@ -354,7 +366,13 @@ class HolePlanner:
         grow = min(outside - budget, full - hole.stop)
         hole.length += grow
         if grow > 0:
-            hole.window_lead = hole.start  # the kept region no longer sits at its distance
+            fixed = self.merge_fixed_blocks(prompt_len, hole.start)
+            if self.decode_recent_blocks is not None and merged and hole.window_lead <= fixed:
+                # every merge so far kept sliding layers' newest candidates: the kept
+                # region after the fixed blocks and the tail are one run of positions
+                hole.window_lead = fixed
+            else:
+                hole.window_lead = hole.start  # the kept region no longer sits at its distance
         return grow > 0
 
     def protected_blocks(self, prompt_len: int, hole_start: int | None) -> int:

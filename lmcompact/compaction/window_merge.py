@@ -23,18 +23,22 @@ The window's own tokens are the last ``W`` of the tail, whatever number of queri
 recorded: a merge with fewer (none: the prompt alone exceeds the budget) scores with the
 rows it has, or zero attention, where ties keep the older candidates (as H2O does for
 unscored prompt tokens).
+
+Sliding-window layers (``recent_layers``) are neither recorded nor scored: at each merge they
+keep the most recent candidates, so their kept region and tail stay one run of consecutive
+positions that vLLM's window mask reads at its logical distance (the hole skips their sinks).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lmcompact.compaction.heavy_hitters import MergeJob
+from lmcompact.compaction.heavy_hitters import MergeJob, newest_candidates
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.compaction.page_observer import PageObserver
 from lmcompact.policies import (
@@ -79,6 +83,7 @@ def merge_by_window(
     scales: Sequence[float],
     job: MergeJob,
     policy: ScorePolicy,
+    recent_layers: Collection[int] = (),
 ) -> list[torch.Tensor]:
     """Keep each (layer, head)'s ``K - s`` best scored of kept region + merged blocks.
 
@@ -90,6 +95,8 @@ def merge_by_window(
         scales: per layer softmax scale.
         job: the merge (its ``tail_blocks`` / ``tail_tokens`` hold the window's keys).
         policy: scores the candidates (see the module doc).
+        recent_layers: layers (sliding-window ones) that keep the ``K - s`` most recent
+            candidates, unscored (:func:`~lmcompact.compaction.heavy_hitters.newest_candidates`).
 
     Returns:
         Per layer, the ``(Hkv, K - s)`` chosen candidate indices (``< K - s``: a kept-region
@@ -104,10 +111,12 @@ def merge_by_window(
         )
     t = job.tail_tokens
     window = min(decode_window(policy), t)  # the window's own tokens: the newest candidates
-    w = min(window, *(int(q.shape[0]) for q in queries)) if queries else 0
+    scored = [layer for layer in range(len(kv_layers)) if layer not in recent_layers]
+    w = min(window, *(int(queries[layer].shape[0]) for layer in scored)) if scored else 0
     observed: list[LayerObservation] = []
-    candidates: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer, kv in enumerate(kv_layers):
+    candidates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in scored:
+        kv = kv_layers[layer]
         kept_k, kept_v = layout.read(kv, job.kept_blocks, 0, k)  # (H, K, D)
         new_k, new_v = layout.read(kv, job.merged_blocks, 0, m)
         tail_k, tail_v = new_k[:, :0], new_v[:, :0]
@@ -131,22 +140,33 @@ def merge_by_window(
                 window_attention=rows,
             )
         )
-        candidates.append((keys[:, s : k + m], values[:, s : k + m]))
-    inputs = CompactionInputs(
-        num_candidates=k - s + m + window,
-        num_kv_heads=int(kv_layers[0].shape[1]),
-        layers=observed,
-        budget_tokens=k - s + window,
-    )
-    policy.check_inputs(inputs)
-    scores = policy.score_all(inputs)
+        candidates[layer] = (keys[:, s : k + m], values[:, s : k + m])
+    heads = int(kv_layers[0].shape[1])
+    ranked_by_layer: dict[int, torch.Tensor] = {}
+    if scored:
+        inputs = CompactionInputs(
+            num_candidates=k - s + m + window,
+            num_kv_heads=heads,
+            layers=observed,
+            budget_tokens=k - s + window,
+        )
+        policy.check_inputs(inputs)
+        ranked_by_layer = dict(zip(scored, policy.score_all(inputs), strict=True))
     chosen: list[torch.Tensor] = []
     for layer, kv in enumerate(kv_layers):
-        ranked = scores[layer][:, : k - s + m].double().cpu()
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        index = order[:, : k - s].sort(dim=-1).values  # candidate order: older first
+        if layer in ranked_by_layer:
+            ranked = ranked_by_layer[layer][:, : k - s + m].double().cpu()
+            order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+            index = order[:, : k - s].sort(dim=-1).values  # candidate order: older first
+        else:
+            index = newest_candidates(heads, k - s, m, torch.device("cpu"))
         chosen.append(index)
-        keys, values = candidates[layer]
+        if layer in candidates:
+            keys, values = candidates[layer]
+        else:
+            kept_k, kept_v = layout.read(kv, job.kept_blocks, s, k - s)
+            new_k, new_v = layout.read(kv, job.merged_blocks, 0, m)
+            keys, values = torch.cat([kept_k, new_k], dim=1), torch.cat([kept_v, new_v], dim=1)
         gather = index.to(keys.device).unsqueeze(-1).expand(-1, -1, keys.shape[-1])
         layout.write(
             kv, job.kept_blocks, s, torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
@@ -169,11 +189,19 @@ class WindowScores(PageObserver[_QueryRows]):
     :class:`~lmcompact.policies.base.ScorePolicy`) and ``window`` (W, queries kept).
     """
 
-    def __init__(self, *pages: Any, policy: ScorePolicy, window: int, **named: Any) -> None:
+    def __init__(
+        self,
+        *pages: Any,
+        policy: ScorePolicy,
+        window: int,
+        recent_layers: Collection[int] = (),
+        **named: Any,
+    ) -> None:
         if window < 1:
             raise ValueError(f"the decode window must be >= 1 query, got {window}")
         self.policy = policy
         self.window = window
+        self.recent_layers = frozenset(recent_layers)
         super().__init__(*pages, **named)
 
     def _setup(self) -> None:
@@ -181,6 +209,8 @@ class WindowScores(PageObserver[_QueryRows]):
         self.queries: dict[str, list[torch.Tensor]] = {}  # req -> per layer (<= W, Hq, D)
         self.scored: dict[int, str] = {}  # this step: first physical block -> req
         self.stats: dict[str, int] = {"merges": 0, "merged_tokens": 0, "recorded": 0}
+        scored = [i for i in self.layer_index.values() if i not in self.recent_layers]
+        self.counted_layer = min(scored, default=-1)  # recorded queries counted once a step
 
     def begin_step(
         self, merges: Iterable[MergeJob], scored: Mapping[int, str], forgotten: Iterable[str]
@@ -196,7 +226,9 @@ class WindowScores(PageObserver[_QueryRows]):
             recorded = self.queries.get(job.req_id)
             if recorded is None:
                 recorded = [torch.zeros(0, 1, self.head_dim) for _ in self.names]
-            merge_by_window(layers, self.layout, recorded, scales, job, self.policy)
+            merge_by_window(
+                layers, self.layout, recorded, scales, job, self.policy, self.recent_layers
+            )
             self.stats["merges"] += 1
             self.stats["merged_tokens"] += len(job.merged_blocks) * bs
         self.scored = dict(scored)
@@ -204,19 +236,19 @@ class WindowScores(PageObserver[_QueryRows]):
 
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """After-attention observer: keep this layer's queries of the scored rows."""
-        if not self.scored:
+        layer = self.layer_index[name]
+        if not self.scored or layer in self.recent_layers:
             return
         rows = self._batch_rows(metadata, query.device)
         if rows is None:
             return
-        layer = self.layer_index[name]
         queries = query.view(query.shape[0], -1, self.head_dim)
         for req_id, (lo, hi) in zip(rows.req_ids, rows.spans, strict=True):
             kept = self.queries.setdefault(
                 req_id, [queries[:0].detach().clone() for _ in self.names]
             )
             kept[layer] = torch.cat([kept[layer], queries[lo:hi].detach()])[-self.window :]
-            if layer == 0:
+            if layer == self.counted_layer:
                 self.stats["recorded"] += hi - lo
 
     def _build_rows(self, metadata: Any, device: torch.device) -> _QueryRows | None:

@@ -14,28 +14,6 @@ pytestmark = pytest.mark.integration
 STORE = ("LMCompactConnector", "connectors.vllm.connector")
 
 
-def test_h2o_decode_on_sliding_window_model_is_refused(gemma3_path: Path) -> None:
-    extra = {
-        "policy": "snapkv",
-        "budget": 0.5,
-        "store": False,
-        "release": {"decode_budget_tokens": 512, "decode_policy": "h2o"},
-    }
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-
-    try:
-        with (
-            pytest.raises(
-                ValueError,
-                match=r"decode_policy 'h2o' \(a merging decode policy\) cannot be exact .*sliding",
-            ),
-            release_engine(str(gemma3_path), extra, max_model_len=1024),
-        ):
-            pass
-    finally:
-        ensure_kv_transfer_shutdown()  # the refused engine's worker connector stays registered
-
-
 def test_two_stage_loads_without_a_declared_window_are_refused(
     gemma3_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

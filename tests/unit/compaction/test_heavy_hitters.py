@@ -147,3 +147,21 @@ def test_key_mass_accumulates_over_the_keys_attention_sees(layout_name: str) -> 
     assert heavy.stats["merges"] == 1
     heavy.begin_step([], {}, ["a"])
     assert heavy.scores == {}
+
+
+def test_merge_on_sliding_layers_keeps_the_newest_candidates() -> None:
+    layout = make_layout("token_major", BS)
+    kv = caches()
+    kept_blocks, merged_blocks = [5, 2, 9], [7]
+    before = layout.read(kv[0], kept_blocks + merged_blocks, 0, 16)[0]
+    scores = torch.rand(L, H, 20, generator=torch.Generator().manual_seed(1))
+    original = scores.clone()
+    merged, chosen = merge_heavy_hitters(
+        kv, layout, scores, kept_blocks, merged_blocks, BS, recent_layers=frozenset({0})
+    )
+    assert torch.equal(chosen[0], torch.arange(4, 12).expand(H, -1))
+    after = layout.read(kv[0], kept_blocks, 0, 12)[0]
+    assert torch.equal(after[:, :BS], before[:, :BS]) and torch.equal(after[:, BS:], before[:, 8:])
+    assert torch.equal(merged[0, :, 4:12], original[0, :, 8:16])  # their scores move with them
+    top = torch.topk(original[1, :, 4:16], 8).indices.sort().values
+    assert torch.equal(chosen[1], top)  # the other layer still keeps its heavy hitters

@@ -90,3 +90,27 @@ def test_planner_leads_follow_what_sits_at_its_distance() -> None:
     blocks = HolePlanner(32, PrefillMode.BLOCKS, budget=0.5, sink_blocks=1)
     blocks.prefill_end("b", 10 * 32, first_block=9, step=0)
     assert blocks.holes["b"].window_lead == 1  # the sink block is skipped by sliding layers
+
+
+def test_merging_decode_leads_skip_only_the_fixed_blocks() -> None:
+    """Merges keep sliding layers' newest tokens, so after the sinks their kept region runs on
+    into the tail; a request whose blocks are shared (no merge) skips the whole kept region,
+    and once it did it keeps skipping it."""
+    planner = HolePlanner(
+        32, PrefillMode.OFF, budget=1.0, decode_budget_blocks=8, decode_recent_blocks=4,
+        sink_blocks=1,
+    )  # fmt: skip
+    assert planner.grow_for_decode("a", 7, 20 * 32, 20 * 32, step=1)
+    hole = planner.holes["a"]
+    assert (hole.start, hole.window_lead) == (4, 1)
+    assert planner.grow_for_decode("b", 8, 20 * 32, 20 * 32, step=1, merged=False)
+    shared = planner.holes["b"]
+    assert shared.window_lead == shared.start == 4
+    assert planner.grow_for_decode("b", 8, 20 * 32, 21 * 32, step=2, merged=True)
+    assert shared.window_lead == 4
+    protected = HolePlanner(
+        32, PrefillMode.OFF, budget=1.0, decode_budget_blocks=8, decode_recent_blocks=4,
+        protect_prompt=True,
+    )  # fmt: skip
+    assert protected.grow_for_decode("c", 9, 10 * 32, 24 * 32, step=1)
+    assert protected.holes["c"].window_lead == 10  # the whole prompt: fixed

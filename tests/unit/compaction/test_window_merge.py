@@ -173,3 +173,25 @@ def test_a_custom_score_policy_is_a_decode_policy() -> None:
         ReleaseOptions(decode_budget_tokens=64, decode_policy="snapkv")
     with pytest.raises(ValueError, match="needs a policy name"):
         ReleaseOptions(decode_budget_tokens=64, decode_policy_params={"window_size": 2})
+
+
+@pytest.mark.parametrize("name", ["decoding_snapkv", "rkv"])
+def test_sliding_layers_keep_the_newest_candidates_and_others_their_choice(name: str) -> None:
+    """``recent_layers`` (sliding-window ones) keep the run that ends at the merged block,
+    unscored; the other layers choose exactly as without them."""
+    layout = make_layout("token_major", BS)
+    gen = torch.Generator().manual_seed(5)
+    queries = [torch.randn(W, H * G, D, generator=gen) for _ in range(L)]
+    job = MergeJob("r", tuple(KEPT), tuple(MERGED), BS, tuple(TAIL), TAIL_TOKENS)
+    policy = decode_policy(name, {"window_size": W})
+    plain = merge_by_window(caches(), layout, queries, [SCALE] * L, job, policy)
+    kv = caches()
+    before = layout.read(kv[1], KEPT + MERGED, 0, 16)[0]
+    no_queries = [queries[0], torch.zeros(0, H * G, D)]  # sliding layers record none
+    chosen = merge_by_window(kv, layout, no_queries, [SCALE] * L, job, policy, frozenset({1}))
+    assert torch.equal(chosen[0], plain[0])
+    assert torch.equal(chosen[1], torch.arange(4, 12).expand(H, -1))
+    assert not torch.equal(plain[1], chosen[1])
+    after = layout.read(kv[1], KEPT, 0, 12)[0]
+    assert torch.equal(after[:, :BS], before[:, :BS])  # sinks stay
+    assert torch.equal(after[:, BS:], before[:, 2 * BS :])  # one run up to the merged block
