@@ -64,7 +64,7 @@ from lmcompact.compaction.holes import cut_holes_in_place
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.pack import WindowQueries, pack_in_place
 from lmcompact.compaction.page_layout import PageLayout, make_layout
-from lmcompact.compaction.per_head import dense_image, head_rows, layer_runs, on_device
+from lmcompact.compaction.per_head import cell_images, layer_runs, on_device
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
 from lmcompact.compaction.window_merge import WindowScores, decode_window
@@ -834,31 +834,24 @@ class Worker:
         assert self.perhead is not None
         device = next(iter(self.kv_caches.values())).device
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
-        assert self.cap is not None
         width = len(chunks) * self.slots
-        bs = self.facts.block_size
         first = chunks[0]
-        layer_bytes = (  # head_rows' rows: n x cap per head
-            self.facts.num_kv_heads
-            * len(chunks)
-            * self.cap
+        layer_bytes = (  # cell_images' copied rows and cells: at most width x H of each
+            2
+            * self.facts.num_kv_heads
+            * width
             * (first.keys.shape[1] + first.values.shape[1])
             * first.keys.element_size()
         )
         counts = []
         for lo, hi in layer_runs(self.facts.num_layers, layer_bytes, LOAD_GROUP_BYTES):
-            keys, values, filled = head_rows(chunks, lo, hi, self.cap, device)
+            keys, values, filled = cell_images(chunks, lo, hi, width, self.facts.block_size, device)
             counts.append(filled)
             for name, kv in self.kv_caches.items():
                 layer = self.layer_index[name]
                 if lo <= layer < hi:
-                    own = filled[layer - lo]
                     self.layout.write(
-                        kv,
-                        block_ids,
-                        load.start,
-                        dense_image(keys[layer - lo], own, width, bs),
-                        dense_image(values[layer - lo], own, width, bs),
+                        kv, block_ids, load.start, keys[layer - lo], values[layer - lo]
                     )
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # as in _write_chunks
