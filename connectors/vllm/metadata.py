@@ -55,8 +55,9 @@ class LoadSpec:
         keys: store keys of the chunks, in order; chunk ``i`` covers tokens
             ``start + i * chunk_size ..``; its kept rows go to slots
             ``start + i * kept .. start + (i + 1) * kept`` (with ``store.per_head``: each
-            head's rows of all chunks from ``start``, padded to ``n * R``; see
-            ``Worker._write_per_head``). The worker fetches and verifies
+            layer's heads as dense cells of slots ``[start, start + n * R)``, head after
+            head, each its rows of all chunks in order; see ``Worker._write_per_head``).
+            The worker fetches and verifies
             them; if any is missing or bad, none is written and the request's blocks from
             ``start`` are reported to vLLM for recomputation.
     """
