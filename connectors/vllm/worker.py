@@ -1206,9 +1206,9 @@ class Worker:
         attention pass without a window) break that. Merging decode policies keep it: their
         merges keep sliding layers' newest tokens
         (:func:`lmcompact.compaction.heavy_hitters.newest_candidates`). Two-stage loads are
-        exact only while
-        the scheduler computes each prompt's last window (the model config's window, at
-        least every layer's: :meth:`connectors.vllm.scheduler.Scheduler.loadable_chunks`).
+        exact only while the scheduler computes each prompt's last window (the model
+        config's window, at least every layer's:
+        :meth:`connectors.vllm.scheduler.Scheduler.loadable_chunks`).
         """
         sliding = sorted(self.sliding_layers)
         if not sliding:
