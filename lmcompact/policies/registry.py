@@ -31,6 +31,7 @@ _BUILTIN: dict[str, str] = {
     "tova": "lmcompact.policies.tova:TOVA",
     "snapkv": "lmcompact.policies.snapkv:SnapKV",
     "decoding_snapkv": "lmcompact.policies.decoding_snapkv:DecodingSnapKV",
+    "chunkkv": "lmcompact.policies.chunkkv:ChunkKV",
     "rkv": "lmcompact.policies.rkv:RKV",
     "pyramidkv": "lmcompact.policies.pyramidkv:PyramidKV",
     "adakv": "lmcompact.policies.adakv:AdaKV",

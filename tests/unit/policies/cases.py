@@ -115,6 +115,7 @@ POLICY_CASES: list[PolicyCase] = [
         "decoding-snapkv", "decoding_snapkv", {"window_size": 4, "kernel_size": 3, "interval": 8}
     ),
     PolicyCase("rkv", "rkv", {"window_size": 4, "kernel_size": 3}),
+    PolicyCase("chunkkv", "chunkkv", {"window_size": 4, "chunk_size": 5}),
     PolicyCase(
         "snapkv-avgpool", "snapkv", {"window_size": 4, "kernel_size": 5, "pooling": "avgpool"}
     ),

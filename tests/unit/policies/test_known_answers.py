@@ -23,6 +23,7 @@ from tests.unit.policies.cases import POLICY_CASES, synthetic_inputs
 DOMINANT = 17
 ATTENTION_CASES = (
     "h2o", "snapkv", "snapkv-avgpool", "tova", "pyramidkv", "adakv-snapkv", "adakv-h2o",
+    "chunkkv",
 )  # fmt: skip
 
 

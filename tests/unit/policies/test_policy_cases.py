@@ -27,7 +27,7 @@ from tests.unit.policies.cases import BUDGET_RULES, POLICY_CASES, PolicyCase
 
 CASE_IDS = [case.id for case in POLICY_CASES]
 BUILTIN_NAMES = {
-    "none", "random", "streaming_llm", "h2o", "tova", "snapkv", "decoding_snapkv", "rkv",
+    "none", "random", "streaming_llm", "h2o", "tova", "snapkv", "decoding_snapkv", "rkv", "chunkkv",
     "pyramidkv", "adakv", "knorm", "fastgen", "duoattention", "kvzip", "expected_attention",
     "self_info",
 }  # fmt: skip
