@@ -6,14 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcompact.policies._select import recent_mask
-from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+from lmcompact.policies.base import CompactionInputs, Need, Phase
+from lmcompact.policies.window_scored import WindowScoredPolicy
 
 
 @dataclass
-class ChunkKV(ScorePolicy):
-    """Keep the observation window plus the chunks of ``chunk_size`` consecutive tokens that
-    the window attends to most, the same chunks for every head of a layer.
+class ChunkKV(WindowScoredPolicy):
+    """Keep the observation window plus whole chunks of tokens the window attends to most.
+
+    A chunk is ``chunk_size`` consecutive tokens; every head of a layer keeps the same ones.
 
     Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
     Long-Context LLM Inference", https://arxiv.org/abs/2502.00299 (NeurIPS 2025). A token
@@ -38,26 +39,15 @@ class ChunkKV(ScorePolicy):
     needs = Need.WINDOW_SCORES
     phases = Phase.PREFILL
 
-    window_size: int = 32
     chunk_size: int = 10
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window_size < 0:
-            raise ValueError(f"window_size must be >= 0, got {self.window_size}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
-    def window_mask(self, inputs: CompactionInputs) -> torch.Tensor:
-        """``(H, T)`` bool: the observation window (the most recent valid candidates)."""
-        kept = inputs.valid_counts().clamp(max=self.keep_count(inputs))
-        return recent_mask(inputs, kept.clamp(max=self.window_size))
-
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
-        scores = inputs.layers[layer].window_scores
-        assert scores is not None  # check_inputs ran
-        window = self.window_mask(inputs)
-        mass = scores.detach().double().cpu().masked_fill(window | ~inputs.valid_or_all(), 0.0)
+        mass, window = self.window_mass(inputs, layer)
         # mass per original position, over the layer's heads (padded decode candidates
         # keep their positions), then per chunk of positions: one ranking for every head
         position = inputs.positions_or_arange().cpu().long()

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcompact.policies._select import POOLINGS, pool_scores, recent_mask
-from lmcompact.policies.base import CompactionInputs, Need, Phase, ScorePolicy
+from lmcompact.policies._select import POOLINGS, pool_scores
+from lmcompact.policies.base import CompactionInputs, Need, Phase
+from lmcompact.policies.window_scored import WindowScoredPolicy
 
 
 @dataclass
-class SnapKV(ScorePolicy):
+class SnapKV(WindowScoredPolicy):
     """Keep the observation window plus the prefix tokens the window attends to most.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation",
@@ -36,29 +37,18 @@ class SnapKV(ScorePolicy):
     needs = Need.WINDOW_SCORES
     phases = Phase.PREFILL
 
-    window_size: int = 32
     kernel_size: int = 7
     pooling: str = "maxpool"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window_size < 0:
-            raise ValueError(f"window_size must be >= 0, got {self.window_size}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
-    def window_mask(self, inputs: CompactionInputs) -> torch.Tensor:
-        """``(H, T)`` bool: the observation window (the most recent valid candidates)."""
-        kept = inputs.valid_counts().clamp(max=self.keep_count(inputs))
-        return recent_mask(inputs, kept.clamp(max=self.window_size))
-
     def score(self, inputs: CompactionInputs, layer: int) -> torch.Tensor:
-        scores = inputs.layers[layer].window_scores
-        assert scores is not None  # check_inputs ran
-        window = self.window_mask(inputs)
-        prefix = scores.detach().double().cpu().masked_fill(window | ~inputs.valid_or_all(), 0.0)
+        prefix, window = self.window_mass(inputs, layer)
         pooled = pool_scores(prefix, self.kernel_size, self.pooling)
         # pooling makes a peak's neighbours tie with it; the raw mass breaks such ties
         tie_break = prefix / prefix.abs().max().clamp(min=1e-30) * 1e-9
