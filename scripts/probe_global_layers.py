@@ -30,14 +30,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from connectors.vllm.config import POLICY_DEFAULTS
 from lmcompact.eval import tasks
 from lmcompact.eval.vllm_cells import VllmEvalConfig, build_cases
 from lmcompact.hf.prepare import prepare_model
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
 from tests.integration.vllm_sliding import reference
-
-CONNECTOR_PARAMS = {"snapkv": {"kernel_size": 15}}
-"""The connector's defaults for these policies (``connectors/vllm/config.py``)."""
 
 
 def window_scores(model: Any, prompt: list[int], window: int) -> list[torch.Tensor]:
@@ -65,7 +63,7 @@ def window_scores(model: Any, prompt: list[int], window: int) -> list[torch.Tens
 
 
 def global_choice(policy: str, scores: torch.Tensor, keep: int, window: int) -> list[torch.Tensor]:
-    params = {**CONNECTOR_PARAMS.get(policy, {}), "window_size": window}
+    params = {**POLICY_DEFAULTS.get(policy, {}), "window_size": window}  # as the connector
     planner = make_policy(policy, budget=keep, **params)
     heads, length = scores.shape
     inputs = CompactionInputs(length, heads, [LayerObservation(window_scores=scores)])
@@ -96,7 +94,8 @@ def main() -> None:
     model = reference.load(model_dir)
     windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
     variants = [
-        (v.partition(":")[0], float(v.partition(":")[2] or args.budget)) for v in args.variants
+        (name, float(fraction or args.budget))
+        for name, _, fraction in (v.partition(":") for v in args.variants)
     ]
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
