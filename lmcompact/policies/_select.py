@@ -28,6 +28,7 @@ __all__ = [
     "split_evenly",
     "topk_keep",
     "topk_mask",
+    "topk_mask_here",
 ]
 
 
@@ -78,6 +79,13 @@ def topk_mask(
     One sort over all rows (callers stack every layer's heads into ``R``), so
     the cost is a few tensor ops whatever the number of layers and heads.
     """
+    return topk_mask_here(scores, k, valid).cpu()
+
+
+def topk_mask_here(
+    scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`topk_mask` left on ``scores``' device (for callers that go on ranking there)."""
     # sort where the scores are (a GPU sorts every layer's heads in well under a
     # millisecond; a host sort of 32 x 8 x 16k doubles takes a good part of a second)
     device = scores.device
@@ -102,7 +110,7 @@ def topk_mask(
     rank_of_slot = torch.empty_like(order)
     ranks = torch.arange(length, device=device).expand(num_rows, -1).contiguous()
     rank_of_slot.scatter_(-1, order, ranks)
-    return (rank_of_slot < counts.clamp(min=0).unsqueeze(-1)).cpu()
+    return rank_of_slot < counts.clamp(min=0).unsqueeze(-1)
 
 
 def rows_of(mask: torch.Tensor) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lmcompact.plan import KeepPlan
-from lmcompact.policies._select import topk_mask
+from lmcompact.policies._select import topk_mask_here
 from lmcompact.policies.base import (
     CompactionInputs,
     CompactionPolicy,
@@ -81,16 +81,20 @@ class AdaKV(CompactionPolicy):
         self.inner.check_inputs(inputs)
 
     def layer_mask(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
-        """``(H, T)`` bool keep mask of one layer from its ``(H, T)`` scores."""
+        """``(H, T)`` bool keep mask of one layer from its ``(H, T)`` scores, on their device.
+
+        Ranked where the scores are: on a GPU the sorts of a 16k-token layer take well under
+        a millisecond, where a host ranking of 32 such layers took ~0.45 s per pack."""
         keep = self.keep_count(inputs)
-        valid = inputs.valid_or_all().cpu()
+        device = scores.device
+        valid = inputs.valid_or_all().to(device)
         heads, length = scores.shape
-        ranked = scores.detach().cpu().double()
+        ranked = scores.detach().double()
         if inputs.max_tokens is not None:
             # a head's pairs past its own best max_tokens never compete: the layer's budget
             # goes to the next best pairs of the other heads (a capped top-k, in one pass)
-            valid = valid & topk_mask(ranked, min(inputs.max_tokens, length), valid)
-        safeguard = topk_mask(ranked, math.ceil(self.alpha_safeguard * keep), valid)
+            valid = valid & topk_mask_here(ranked, min(inputs.max_tokens, length), valid)
+        safeguard = topk_mask_here(ranked, math.ceil(self.alpha_safeguard * keep), valid)
         total = min(keep * heads, int(valid.sum()))
         if inputs.max_tokens is not None and inputs.max_layer_tokens is not None:
             total = min(total, inputs.max_layer_tokens)
@@ -98,7 +102,7 @@ class AdaKV(CompactionPolicy):
         # score; invalid slots last (never reached, total <= valid slots).
         ranked = ranked.masked_fill(safeguard, float("inf")).reshape(1, -1)
         chosen = descending_order(ranked, valid.reshape(1, -1))[0, :total]
-        mask = torch.zeros(heads * length, dtype=torch.bool)
+        mask = torch.zeros(heads * length, dtype=torch.bool, device=device)
         mask[chosen] = True
         return mask.view(heads, length)
 

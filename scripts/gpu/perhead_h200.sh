@@ -6,6 +6,8 @@
 #   bash scripts/gpu/perhead_h200.sh connector-store    # bench connector, 16k, 8B shape: kvzip
 #   bash scripts/gpu/perhead_h200.sh connector-inplace  #   head vs ragged; SnapKV vs Ada-KV packs
 #   bash scripts/gpu/perhead_h200.sh serve      # bench serve 24 x (16k + 1024), Ada-KV vs SnapKV
+#   bash scripts/gpu/perhead_h200.sh profile    # one hit of each kind under cProfile: kvzip
+#                                               #   ragged, the default store, Ada-KV in place
 set -uo pipefail
 source scripts/gpu/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -35,10 +37,19 @@ connector-inplace)  # the in-place pair (one run)
     --json "$OUT/perhead-h200-bench-inplace.json" > "$OUT/perhead-bench-inplace.log" 2>&1
   tail -30 "$OUT/perhead-bench-inplace.log"
   ;;
+profile)  # where a hit's time goes (the host functions with the most cumulative time)
+  python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
+    --decode-tokens 64 --profile --configs "{
+ \"kvzip_ragged\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}}},
+ \"default\": {\"budget\": 0.25},
+ \"adakv_inplace\": {\"policy\": \"adakv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\", \"per_head\": {\"slack\": 1.5}}}}" \
+    --json "$OUT/perhead-h200-bench-profile.json" > "$OUT/perhead-bench-profile.log" 2>&1
+  tail -30 "$OUT/perhead-bench-profile.log"
+  ;;
 serve)
   python3 -m lmcompact bench serve --shape llama3-8b --prompt-tokens 16384 --output-tokens 1024 \
     --requests 24 --pool-requests 6 --budgets 0.25 --cuda-graphs full --per-head-policy adakv \
     --json "$OUT/perhead-serve-h200.json" 2>&1 | tail -30
   ;;
-*) echo "stage: tests | connector-store | connector-inplace | serve"; exit 2 ;;
+*) echo "stage: tests | connector-store | connector-inplace | profile | serve"; exit 2 ;;
 esac
