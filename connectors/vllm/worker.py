@@ -1167,6 +1167,7 @@ class Worker:
             or not kernels.use_kernels(layers[0].device)
             or not DevicePacker.supports(self.pack_policy)
         ):
+            self._warm_reference_scores()
             return
         if worker.sliding_layers:
             # the device pack selects by score on every layer; sliding-window layers must
@@ -1196,6 +1197,40 @@ class Worker:
                 len(self.warm_up_s),
                 time.perf_counter() - began,
             )
+
+    def _warm_reference_scores(self) -> None:
+        """Packs without the device packer (per-head counts) still score the window with
+        the Triton kernel: tune it now for every length (``release.warm_up``), or the first
+        16k-token pack spends seconds tuning."""
+        layers = list(self.kv_caches.values())
+        if (
+            not layers
+            or self._planner().prefill_mode is not PrefillMode.PACK
+            or not self._release_options().warm_up
+            or not kernels.use_kernels(layers[0].device)
+            or not self.pack_policy.needs & Need.WINDOW_SCORES
+            or layers[0].dtype not in (torch.float16, torch.bfloat16)
+        ):
+            return
+        from lmcompact.kernels.window_scores import warm_up
+
+        first = next(iter(self.layers.values()))
+        began = time.perf_counter()
+        self.warm_up_s = warm_up(
+            engine.num_query_heads(first),
+            self.facts.num_kv_heads,
+            int(layers[0].shape[-1]) // 2,
+            max(1, self.config.window),
+            int(self.vllm_config.model_config.max_model_len),
+            layers[0].dtype,  # the pack scores in the page dtype
+            layers[0].device,
+            engine.attention_scale(first),
+        )
+        logger.info(
+            "window-score kernel ready: warm-up of %d lengths took %.1f s",
+            len(self.warm_up_s),
+            time.perf_counter() - began,
+        )
 
     def _refuse_with_sliding_layers(self) -> None:
         """Start-up refusal of what cannot be exact with sliding-window layers.

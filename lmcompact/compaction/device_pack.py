@@ -204,16 +204,11 @@ class DevicePacker:
         Returns:
             ``(tokens, seconds)`` per warm-up pack.
         """
-        from lmcompact.kernels.window_scores import TUNE_MIN_TOKENS
+        from lmcompact.kernels.window_scores import warm_up_lengths
 
         bs = self.block_size
         capacity = (self.kv_layers[0].shape[0] - 1) * bs  # block 0 is vLLM's null block
-        top = min(max_tokens, capacity)
-        lengths = [min(top, 1024)]
-        length = TUNE_MIN_TOKENS
-        while length // 2 < top and length <= 1 << 20:
-            lengths.append(min(length, top))
-            length *= 2
+        lengths = warm_up_lengths(min(max_tokens, capacity))
         done: list[tuple[int, float]] = []
         two_d = self.kv_layers[0].shape[-1]
         for tokens in dict.fromkeys(t // bs * bs for t in lengths if t >= 2 * bs):

@@ -19,6 +19,7 @@ Reference: :func:`lmcompact.attention.scores.window_scores`.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -301,3 +302,46 @@ def window_scores(
         **common,
     )
     return mass
+
+
+def warm_up_lengths(max_tokens: int) -> list[int]:
+    """Key lengths that compile and tune every launch a sequence of up to ``max_tokens``
+    can bring: one short (untuned) length, then one per power-of-two tuning bucket."""
+    lengths = [min(max_tokens, 1024)]
+    length = TUNE_MIN_TOKENS
+    while length // 2 < max_tokens and length <= 1 << 20:
+        lengths.append(min(length, max_tokens))
+        length *= 2
+    return list(dict.fromkeys(lengths))
+
+
+def warm_up(
+    query_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    scale: float,
+) -> list[tuple[int, float]]:
+    """Compile and tune :func:`window_scores` for every length up to ``max_tokens`` with
+    random queries and keys (the tuning depends on shapes only), so that no request pays
+    it: a first 16k-token score otherwise spends seconds tuning.
+
+    Returns:
+        ``(tokens, seconds)`` per length warmed.
+    """
+    done: list[tuple[int, float]] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for tokens in warm_up_lengths(max_tokens):
+        if tokens < window or tokens < 1:
+            continue
+        began = time.perf_counter()
+        queries = torch.randn(1, query_heads, window, head_dim, device=device, generator=gen)
+        keys = torch.randn(1, kv_heads, tokens, head_dim, device=device, generator=gen)
+        positions = torch.arange(tokens - window, tokens, device=device)
+        window_scores(queries.to(dtype), keys.to(dtype), query_positions=positions, scale=scale)
+        torch.cuda.synchronize(device)
+        done.append((tokens, time.perf_counter() - began))
+    return done

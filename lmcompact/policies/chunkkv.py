@@ -50,12 +50,14 @@ class ChunkKV(WindowScoredPolicy):
         mass, window = self.window_mass(inputs, layer)
         # mass per original position, over the layer's heads (padded decode candidates
         # keep their positions), then per chunk of positions: one ranking for every head
-        position = inputs.positions_or_arange().cpu().long()
+        device = mass.device
+        position = inputs.positions_or_arange().to(device).long()
         span = int(position.max()) + 1 if position.numel() else 0
-        per_position = torch.zeros(span, dtype=torch.float64)
+        per_position = torch.zeros(span, dtype=torch.float64, device=device)
         per_position.index_add_(0, position.reshape(-1), mass.reshape(-1))
-        per_chunk = torch.zeros(-(-span // self.chunk_size), dtype=torch.float64)
-        per_chunk.index_add_(0, torch.arange(span) // self.chunk_size, per_position)
+        per_chunk = torch.zeros(-(-span // self.chunk_size), dtype=torch.float64, device=device)
+        chunk_of = torch.arange(span, device=device) // self.chunk_size
+        per_chunk.index_add_(0, chunk_of, per_position)
         scale = per_chunk.abs().max().clamp(min=1e-30) if span else torch.tensor(1.0)
         # the token's own mass orders the budget's last, partial chunk; far below a chunk's
         tie_break = per_position[position] / scale * 1e-9

@@ -86,3 +86,48 @@ def test_device_pack_matches_reference_pack(name: str) -> None:
         gather = index[layer].unsqueeze(-1).expand(-1, -1, dim)
         assert torch.equal(new_k, torch.gather(old_k, 1, gather))
         assert torch.equal(new_v, torch.gather(old_v, 1, gather))
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("snapkv", {"window_size": 16}),
+        ("chunkkv", {"window_size": 16}),
+        ("pyramidkv", {"window_size": 16}),
+        ("adakv", {"scorer_params": {"window_size": 16}}),
+    ],
+)
+@pytest.mark.parametrize("capped", [False, True])
+def test_window_scored_plans_on_cuda_match_the_host(
+    name: str, params: dict[str, object], capped: bool
+) -> None:
+    """Window-scored policies rank where the window scores are: the same keep plan from
+    CUDA scores as from their host copy (Ada-KV's per-head caps included)."""
+    from lmcompact.policies.inputs import CompactionInputs, LayerObservation
+
+    layers, heads, length = 4, 8, 2048
+    gen = torch.Generator().manual_seed(len(name))
+    scores = torch.rand(layers, heads, length, generator=gen)
+    valid = torch.rand(heads, length, generator=gen) > 0.05
+    policy = make_policy(name, budget=0.25, **params)
+
+    def plan(device: str) -> list[list[list[int]]]:
+        inputs = CompactionInputs(
+            num_candidates=length,
+            num_kv_heads=heads,
+            layers=[LayerObservation(window_scores=s.to(device)) for s in scores],
+            valid=valid,
+            max_tokens=length // 2 if capped else None,
+            max_layer_tokens=heads * length // 3 if capped else None,
+        )
+        kept = policy.plan(inputs).kept
+        return [[k.cpu().tolist() for k in layer] for layer in kept]
+
+    assert plan("cuda") == plan("cpu")
+
+
+def test_window_score_warm_up_tunes_every_length() -> None:
+    from lmcompact.kernels.window_scores import warm_up, warm_up_lengths
+
+    done = warm_up(8, 2, 64, 16, 9000, torch.bfloat16, torch.device("cuda"), 0.125)
+    assert [tokens for tokens, _ in done] == warm_up_lengths(9000) == [1024, 4096, 8192, 9000]
