@@ -417,14 +417,14 @@ class StoreOptions:
             R`` slots (:mod:`lmcompact.compaction.per_head`), attended per head by the
             connector (:mod:`lmcompact.compaction.per_head_attention`), so a loaded request
             holds ``R / C`` of its prefix's blocks (``K / C`` at r = 1). None: one count K.
-        quantize: ``"int8"`` or ``"fp8"`` (float8 e4m3fn): stored rows are quantized per
-            (token, layer, head) row with one float16 scale each
+        quantize: ``"int8"`` or ``"fp8"`` (float8 e4m3fn): stored rows (one token of one
+            (layer, head)) are quantized with one float16 scale per 64 channels
             (:mod:`lmcompact.store.quant`). Redis values take about half the bytes of bf16
-            (0.508x at head_dim 128, 0.515x at 64:
+            (0.516x at head_dim 64, 128 and 256:
             ``docs/benchmarks/store-quantization-cpu.md``); the CPU tier keeps the engine
             dtype but holds the dequantized rows, so a chunk loads the same from either
-            tier. Lossy: int8 errs by at most half a step (``absmax / 254`` of the row) per
-            value, fp8 by ``2^-4`` of the value. The quantization enters the store
+            tier. Lossy: int8 errs by at most half a step (``absmax / 254`` of the 64
+            channels) per value, fp8 by ``2^-4`` of the value. The quantization enters the store
             namespace, so quantized and unquantized entries are never loaded for each other.
             None: the engine dtype's bytes, exact. ``"auto"`` (default): ``"int8"`` with
             ``compact_on`` ``"both"`` (the store's looser selection in about the final

@@ -27,7 +27,7 @@ the chunk's own dtype, the one :meth:`ChunkCodec.decode` dequantizes into. Unqua
 values keep version :data:`VALUE_VERSION` and their bytes, so entries written before
 quantization existed stay readable, and a build that reads only version 2 refuses a
 quantized value as ``unsupported_version`` instead of misreading it. This build reads both;
-a version-2 header with ``q`` or a version-3 header without it is refused (``bad_header``).
+a version-2 header with ``q`` or a version-4 header without it is refused (``bad_header``).
 Which values a store may load is its namespace's business: the connector puts the
 quantization into the namespace, so a quantized and an unquantized engine never share a key.
 
@@ -99,9 +99,10 @@ Independent of the key derivation's :data:`lmcompact.store.keys.FORMAT_VERSION`:
 another version found under a valid key is refused, so the chunk is recomputed and
 overwritten."""
 
-QUANTIZED_VALUE_VERSION = 3
+QUANTIZED_VALUE_VERSION = 4
 """Version of quantized values (header field ``q``, payload of :mod:`lmcompact.store.quant`).
-Unquantized values keep :data:`VALUE_VERSION`; this build reads both."""
+Unquantized values keep :data:`VALUE_VERSION`; this build reads both. 3 (one scale per row)
+is refused as ``unsupported_version``: its scales would be misread as groups."""
 
 CHECKSUM_BYTES = 16
 _COUNTS_CACHE = 256  # distinct kept-count layouts remembered by a codec

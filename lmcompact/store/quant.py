@@ -1,19 +1,23 @@
-"""Quantized payloads of stored chunks: int8 or fp8 rows with one scale per row.
+"""Quantized payloads of stored chunks: int8 or fp8 rows with one scale per 64 channels.
 
 Every stored row is one token of one ``(layer, kv head)``: a row of ``keys`` (``k_dim``
-values) or of ``values`` (``v_dim``). Each row is quantized on its own, symmetric, with the
-scale ``s = absmax(row) / QMAX`` (``QMAX`` 127 for int8, 448 for fp8 e4m3fn):
+values) or of ``values`` (``v_dim``). A row is cut into groups of :data:`SCALE_GROUP`
+channels (the whole row when 64 does not divide its length; :func:`scale_groups`), and each
+group is quantized on its own, symmetric, with the scale ``s = absmax(group) / QMAX``
+(``QMAX`` 127 for int8, 448 for fp8 e4m3fn):
 
 * ``int8``: ``q = round(x / s)`` (in ``[-127, 127]``); ``|x - q s| <= s / 2`` per element.
 * ``fp8``: ``q = float8_e4m3fn(x / s)``; 3 mantissa bits, so the error is at most ``2^-4``
   of ``|x|`` for normal values (``|x / s| >= 2^-6``) and at most ``2^-10 s`` below that.
 
-Scales are float16, rounded UP from ``absmax / QMAX`` (so no element is clipped and the
+Groups rather than whole rows because keys carry outlier channels, whose row maximum would
+set every channel's step (docs/benchmarks/store-quantization-cpu.md has the errors of
+both); a group costs 2 bytes per token. Scales are float16, rounded UP from ``absmax / QMAX`` (so no element is clipped and the
 bounds hold with the stored scale; it exceeds ``absmax / QMAX`` by at most ``2^-10`` of
 itself, or by float16's subnormal spacing ``2^-24`` for rows under ``2^-14 QMAX``). float16
 rather than float32 because the scales are a fixed 4 bytes of every token's payload next to
 ``k_dim + v_dim`` bytes of rows: with float32 scales a head_dim-64 chunk cannot stay under
-0.52x of its bf16 bytes; float16 keeps 11 significant bits (bfloat16: 8) and covers row
+0.52x of its bf16 bytes (groups of 32 would not either); float16 keeps 11 significant bits (bfloat16: 8) and covers row
 maxima up to 8.3e6 (int8) / 2.9e7 (fp8). A chunk with a larger, infinite or NaN value, or
 whose dtype is not a float type (an fp8 KV cache), is stored unquantized
 (:func:`quantize_payload` returns None).
@@ -23,8 +27,8 @@ Payload layout (no padding; the frame around it is :mod:`lmcompact.store.codec`'
     positions   uint16 (n,) when num_tokens <= 65536, else int32 (n,)
     key rows    (n, k_dim) int8 / float8_e4m3fn
     value rows  (n, v_dim)
-    key scales  float16 (n,)
-    value scales float16 (n,)
+    key scales  float16 (n, scale_groups(k_dim))
+    value scales float16 (n, scale_groups(v_dim))
 
 Positions are chunk-relative (``< num_tokens``), so two bytes hold them for any chunk size
 up to 65536: with int32 positions a head_dim-64 row would not reach 0.52x either
@@ -46,6 +50,9 @@ QUANT_MODES = ("int8", "fp8")
 """Quantization names (``"fp8"`` needs a torch with ``float8_e4m3fn``)."""
 QMAX = {"int8": 127.0, "fp8": 448.0}
 SCALE_DTYPE = torch.float16
+SCALE_GROUP = 64
+"""Channels of a row that share one scale (bytes per token: 2 more per group than one scale
+per row; 64 keeps head dims 64, 128 and 256 at <= 0.52x of bf16)."""
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Chunk dtypes that are quantized; chunks of other dtypes are stored as they are."""
 _CPU_BLOCK_ELEMENTS = 1 << 16
@@ -70,37 +77,46 @@ def check_quantize(mode: str | None, where: str = "quantize") -> str | None:
     return mode
 
 
+def scale_groups(dim: int) -> int:
+    """Scales of one stored row of ``dim`` values: one per :data:`SCALE_GROUP` channels when
+    that divides ``dim``, else one for the row."""
+    return dim // SCALE_GROUP if dim % SCALE_GROUP == 0 else 1
+
+
 def position_bytes(num_tokens: int) -> int:
     """Bytes of one stored position in a quantized payload (2 up to 65536 tokens)."""
     return 2 if num_tokens <= 1 << 16 else 4
 
 
 def quantized_nbytes(total_kept: int, k_dim: int, v_dim: int, num_tokens: int) -> int:
-    """Bytes of a quantized payload (positions, rows, two float16 scales per token)."""
-    return total_kept * (position_bytes(num_tokens) + k_dim + v_dim + 2 * SCALE_DTYPE.itemsize)
+    """Bytes of a quantized payload (positions, rows, float16 scales of every group)."""
+    scales = scale_groups(k_dim) + scale_groups(v_dim)
+    return total_kept * (position_bytes(num_tokens) + k_dim + v_dim + scales * SCALE_DTYPE.itemsize)
 
 
 def _sections(
     payload: torch.Tensor, n: int, dk: int, dv: int, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(positions, key rows, value rows, key scales, value scales)`` of a payload; rows
-    and scales as uint8 views (``(n, dim)`` and ``(2 n,)``: scales may sit at odd offsets)."""
+    and scales as uint8 views, rows as ``(n * groups, dim / groups)`` (one group a row) and
+    scales flat (2 bytes a group; they may sit at odd offsets)."""
     pb = position_bytes(num_tokens)
+    gk, gv = scale_groups(dk), scale_groups(dv)
     a = pb * n
     b = a + n * dk
     c = b + n * dv
-    d = c + 2 * n
+    d = c + 2 * n * gk
     positions = payload[:a].view(torch.uint16 if pb == 2 else torch.int32)
-    keys = payload[a:b].view(n, dk)
-    values = payload[b:c].view(n, dv)
-    return positions, keys, values, payload[c:d], payload[d : d + 2 * n]
+    keys = payload[a:b].view(n * gk, dk // gk)
+    values = payload[b:c].view(n * gv, dv // gv)
+    return positions, keys, values, payload[c:d], payload[d : d + 2 * n * gv]
 
 
 def _quantize_rows(
     x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, mode: str
 ) -> torch.Tensor:
     """Quantize ``x``'s rows into ``rows`` (uint8 view) and their float16 scales into
-    ``scales`` (uint8 view, 2 bytes a row); returns a bool tensor, False when some scale is
+    ``scales`` (uint8 view, 2 bytes a group); returns a bool tensor, False when some scale is
     not finite (then the payload must not be used).
 
     The scale is ``absmax / qmax`` rounded up to float16, so ``|x| / s <= qmax``: int8's
@@ -108,6 +124,7 @@ def _quantize_rows(
     row has scale 0 and quantizes to zeros. Every step is exact or correctly rounded
     (divisions by tensors, never by a scalar), so CPU and CUDA write the same bytes.
     """
+    x = x.reshape(rows.shape)  # one group a row
     n, d = x.shape
     finite = torch.ones((), dtype=torch.bool, device=x.device)
     if n == 0 or d == 0:
@@ -149,7 +166,8 @@ def _dequantize_rows(
     rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, mode: str
 ) -> None:
     """Write ``rows * scale`` (computed in float32, rounded once to ``out``'s dtype) into
-    ``out``; ``rows`` and ``scales`` are uint8 views of a payload."""
+    ``out``; ``rows`` (one group a row) and ``scales`` are uint8 views of a payload."""
+    out = out.view(rows.shape)  # a fresh packed buffer's rows: contiguous
     n, d = rows.shape
     if n == 0 or d == 0:
         return
