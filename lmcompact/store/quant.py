@@ -12,14 +12,15 @@ group is quantized on its own, symmetric, with the scale ``s = absmax(group) / Q
 
 Groups rather than whole rows because keys carry outlier channels, whose row maximum would
 set every channel's step (docs/benchmarks/store-quantization-cpu.md has the errors of
-both); a group costs 2 bytes per token. Scales are float16, rounded UP from ``absmax / QMAX`` (so no element is clipped and the
-bounds hold with the stored scale; it exceeds ``absmax / QMAX`` by at most ``2^-10`` of
-itself, or by float16's subnormal spacing ``2^-24`` for rows under ``2^-14 QMAX``). float16
-rather than float32 because the scales are a fixed 4 bytes of every token's payload next to
-``k_dim + v_dim`` bytes of rows: with float32 scales a head_dim-64 chunk cannot stay under
-0.52x of its bf16 bytes (groups of 32 would not either); float16 keeps 11 significant bits (bfloat16: 8) and covers row
-maxima up to 8.3e6 (int8) / 2.9e7 (fp8). A chunk with a larger, infinite or NaN value, or
-whose dtype is not a float type (an fp8 KV cache), is stored unquantized
+both); a group costs 2 bytes per token. Scales are float16, rounded UP from ``absmax /
+QMAX`` (so no element is clipped and the bounds hold with the stored scale; it exceeds
+``absmax / QMAX`` by at most ``2^-10`` of itself, or by float16's subnormal spacing
+``2^-24`` for groups under ``2^-14 QMAX``). float16 rather than float32 because the scales
+are a fixed share of every token's payload next to ``k_dim + v_dim`` bytes of rows: with
+float32 scales a head_dim-64 chunk cannot stay under 0.52x of its bf16 bytes (nor with
+groups of 32); float16 keeps 11 significant bits (bfloat16: 8) and covers group maxima up
+to 8.3e6 (int8) / 2.9e7 (fp8). A chunk with a larger, infinite or NaN value, or whose
+dtype is not a float type (an fp8 KV cache), is stored unquantized
 (:func:`quantize_payload` returns None).
 
 Payload layout (no padding; the frame around it is :mod:`lmcompact.store.codec`'s)::

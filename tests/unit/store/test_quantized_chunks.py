@@ -439,6 +439,16 @@ def test_every_single_bit_flip_and_truncation_is_refused(mode: str) -> None:
             codec.decode(raw[:cut])
 
 
+def test_values_of_the_per_row_scale_format_are_refused() -> None:
+    """Version 3 held one scale per row: its bytes read as groups would be wrong KV, so such
+    a value is refused (and recomputed), never decoded."""
+    assert QUANTIZED_VALUE_VERSION == 4
+    codec = ChunkCodec(NS_INT8, quantize="int8")
+    raw = codec.encode(make_chunk(2, dim=128)).tobytes()
+    with pytest.raises(UnsupportedVersionError):
+        codec.decode(rewrite_header(raw, v=3))
+
+
 def test_version_2_values_still_decode_in_a_quantizing_codec() -> None:
     """Unquantized values keep their version and bytes (entries written before this format
     existed stay readable); the codec reads what a value says it is."""
