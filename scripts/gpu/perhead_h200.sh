@@ -3,6 +3,8 @@
 # figures of docs/benchmarks/perhead-h200.md. One stage per call (each fits the 10-minute
 # limit); results and logs go to $OUT.
 #   bash scripts/gpu/perhead_h200.sh tests      # kernels, device tables, vLLM under full graphs
+#   bash scripts/gpu/perhead_h200.sh plans      # window-scored plans on CUDA = on the host;
+#                                               #   the window-score kernel's warm-up (~1 min)
 #   bash scripts/gpu/perhead_h200.sh connector-store    # bench connector, 16k, 8B shape: kvzip
 #   bash scripts/gpu/perhead_h200.sh connector-inplace  #   head vs ragged; SnapKV vs Ada-KV packs
 #   bash scripts/gpu/perhead_h200.sh serve      # bench serve 24 x (16k + 1024), Ada-KV vs SnapKV
@@ -20,6 +22,10 @@ tests)
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graphs.py \
     -k "per_head or packs" > "$OUT/perhead-serve-graphs.log" 2>&1
   grep -E "max \||passed|failed|Error" "$OUT/perhead-serve-graphs.log" | tail -20
+  ;;
+plans)
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_pack.py \
+    -k "window_scored or warm_up" 2>&1 | tail -15 | tee "$OUT/perhead-plans.log"
   ;;
 connector-store)  # the stored-prefix pair (one run: ~4 min on the H100)
   python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
@@ -51,5 +57,5 @@ serve)
     --requests 24 --pool-requests 6 --budgets 0.25 --cuda-graphs full --per-head-policy adakv \
     --json "$OUT/perhead-serve-h200.json" 2>&1 | tail -30
   ;;
-*) echo "stage: tests | connector-store | connector-inplace | profile | serve"; exit 2 ;;
+*) echo "stage: tests | plans | connector-store | connector-inplace | profile | serve"; exit 2 ;;
 esac
