@@ -1115,6 +1115,8 @@ class Worker:
             # they read this step's holes inside attention layers, on uncut metadata
             self.cut_at_build = False
         self._make_device_packer()
+        if self.device_packer is None:  # the reference packs score with the kernel too
+            self._warm_reference_scores()
 
     def _planner(self) -> HolePlanner:
         if self.planner is None:
@@ -1167,7 +1169,6 @@ class Worker:
             or not kernels.use_kernels(layers[0].device)
             or not DevicePacker.supports(self.pack_policy)
         ):
-            self._warm_reference_scores()
             return
         if worker.sliding_layers:
             # the device pack selects by score on every layer; sliding-window layers must
@@ -1199,9 +1200,9 @@ class Worker:
             )
 
     def _warm_reference_scores(self) -> None:
-        """Packs without the device packer (per-head counts) still score the window with
-        the Triton kernel: tune it now for every length (``release.warm_up``), or the first
-        16k-token pack spends seconds tuning."""
+        """Packs without the device packer (per-head counts, sliding-window models) still
+        score the window with the Triton kernel: tune it now for every length
+        (``release.warm_up``), or the first 16k-token pack spends seconds tuning."""
         layers = list(self.kv_caches.values())
         if (
             not layers

@@ -335,7 +335,7 @@ def warm_up(
     done: list[tuple[int, float]] = []
     gen = torch.Generator(device=device).manual_seed(0)
     for tokens in warm_up_lengths(max_tokens):
-        if tokens < window or tokens < 1:
+        if tokens < window:
             continue
         began = time.perf_counter()
         queries = torch.randn(1, query_heads, window, head_dim, device=device, generator=gen)
