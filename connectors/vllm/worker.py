@@ -1202,7 +1202,7 @@ class Worker:
     def _warm_reference_scores(self) -> None:
         """Packs without the device packer (per-head counts, sliding-window models) still
         score the window with the Triton kernel: tune it now for every length
-        (``release.warm_up``), or the first 16k-token pack spends seconds tuning."""
+        (``release.warm_up``), or the first long pack pays the tuning."""
         layers = list(self.kv_caches.values())
         if (
             not layers

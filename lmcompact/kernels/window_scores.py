@@ -327,7 +327,7 @@ def warm_up(
 ) -> list[tuple[int, float]]:
     """Compile and tune :func:`window_scores` for every length up to ``max_tokens`` with
     random queries and keys (the tuning depends on shapes only), so that no request pays
-    it: a first 16k-token score otherwise spends seconds tuning.
+    it.
 
     Returns:
         ``(tokens, seconds)`` per length warmed.

@@ -86,8 +86,7 @@ def topk_mask_here(
     scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`topk_mask` left on ``scores``' device (for callers that go on ranking there)."""
-    # sort where the scores are (a GPU sorts every layer's heads in well under a
-    # millisecond; a host sort of 32 x 8 x 16k doubles takes a good part of a second)
+    # sort where the scores are: a copy to the host would sort every layer's heads there
     device = scores.device
     scores = scores.detach().double()
     num_rows, length = scores.shape

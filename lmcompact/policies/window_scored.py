@@ -41,8 +41,8 @@ class WindowScoredPolicy(ScorePolicy):
         """``(mass, window)``: ``layer``'s ``(H, T)`` window scores in float64, zero on the
         window and on invalid candidates, and :meth:`window_mask`, both where the scores are.
 
-        Left on the scores' device: a GPU pack then ranks there (a host copy made Ada-KV's
-        per-head plan of a 16k prompt spend ~0.4 s sorting on the CPU)."""
+        Left on the scores' device, so a GPU pack ranks there instead of sorting every
+        layer on the host (docs/benchmarks/perhead-h100.md)."""
         scores = inputs.layers[layer].window_scores
         assert scores is not None  # check_inputs ran
         device = scores.device
