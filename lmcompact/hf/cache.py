@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -424,6 +425,7 @@ class CompactingCache(Cache):
             rope=self.rope,
             attention_scale=self.attention_scale,
         )
+        plans = [_slid_past_dropped(plan, layers) for plan in plans]
         for index, layer in enumerate(layers):
             assert layer.keys is not None and layer.values is not None
             kept = [plan.kept[index] for plan in plans]
@@ -467,7 +469,10 @@ class CompactingCache(Cache):
         ):
             assert layer.ragged is not None
             held = layer.ragged.lengths()
-            if protect is not None and self._prompt_kept is not None:
+            if layer.sliding_window is not None:
+                # it sees its last W - 1 keys whatever the budget; more held are passed ones
+                target = min(target, int(layer.sliding_window) - 1)
+            elif protect is not None and self._prompt_kept is not None:
                 held = held - self._prompt_kept[:, index].to(held.device)  # generated only
             if int(held.max()) > target + self.decode_slack:
                 layer.ragged = replan_layer(
@@ -480,12 +485,30 @@ class CompactingCache(Cache):
                     recent_positions=layer.recent_positions,
                     scale=self.attention_scale,
                     protect_before=protect,
+                    first_visible=layer.first_visible(),
+                    sliding_window=layer.sliding_window,
                 )
                 replanned = True
             layer.last_mass = None
         if replanned:
             self.stats["decode_compactions"] += 1
             self.stats["decode_compact_s"] += time.perf_counter() - start
+
+
+def _slid_past_dropped(plan: KeepPlan, layers: Sequence[CompactingLayer]) -> KeepPlan:
+    """``plan`` with each sliding-window layer keeping its most recent tokens, no more than
+    it can still see and no more than the plan's largest head kept there: a key the window
+    has passed is never attended to again, so a policy's pick of one is memory spent on
+    nothing (vLLM's path does the same, :meth:`KeepPlan.with_recent`)."""
+    for index, layer in enumerate(layers):
+        first = layer.first_visible()
+        if first is None:
+            continue
+        largest = max(int(kept.numel()) for kept in plan.kept[index])
+        count = min(largest, plan.seq_len - first)
+        if count >= 1:
+            plan = plan.with_recent([index], count)
+    return plan
 
 
 @dataclass(frozen=True)

@@ -112,14 +112,21 @@ def replan_layer(
     recent_positions: torch.Tensor | None = None,
     scale: float | None = None,
     protect_before: int | None = None,
+    first_visible: int | None = None,
+    sliding_window: int | None = None,
 ) -> RaggedLayer:
     """One layer re-planned during decode: every head of every sequence back to ``target``
     tokens, scored from the accumulated scores and either the last step's key ``mass``
     (flat, as the ragged attention gives it; a window of one query) or, when given, the
     attention of the ``recent_queries`` ``(B, Hq, W, D)`` at ``recent_positions`` ``(W,)``
     over the kept keys (:func:`decode_window_attention`). ``protect_before``: keys at
-    earlier positions (the prompt's kept ones) all stay and ``target`` counts the rest."""
+    earlier positions (the prompt's kept ones) all stay and ``target`` counts the rest.
+    A sliding-window layer passes its ``sliding_window`` and ``first_visible`` (the oldest
+    position the next query sees): keys before it are dropped, protected or not, and the
+    recent queries' rows see only their own windows."""
     keys, values, positions, valid = ragged.padded()
+    if first_visible is not None:
+        valid = valid & (positions >= first_visible)
     protected = None
     if protect_before is not None:
         protected = valid & (positions < protect_before)
@@ -129,7 +136,7 @@ def replan_layer(
     rows = None
     if recent_queries is not None and recent_positions is not None:
         rows = decode_window_attention(
-            recent_queries, recent_positions, keys, positions, valid, scale
+            recent_queries, recent_positions, keys, positions, valid, scale, sliding_window
         )
     keep: list[torch.Tensor] = []
     for b in range(ragged.batch_size):
@@ -172,6 +179,7 @@ def decode_window_attention(
     key_positions: torch.Tensor,
     valid: torch.Tensor,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention rows of the last decode queries over a padded ragged cache.
 
@@ -182,6 +190,8 @@ def decode_window_attention(
         key_positions: ``(B, H, L)`` their original positions.
         valid: ``(B, H, L)`` bool, False for padding.
         scale: softmax scale (default ``1 / sqrt(D)``).
+        sliding_window: a sliding-window layer's window: a query sees keys less than this
+            many positions behind it.
 
     Returns:
         ``(B, H, W, L)`` float32: each query's row over the keys it sees (kept, at or before
@@ -192,9 +202,10 @@ def decode_window_attention(
     scale = d**-0.5 if scale is None else scale
     q = queries.float().view(b, h, hq // h, w, d)
     logits = torch.einsum("bhgwd,bhld->bhgwl", q, keys.float()) * scale
-    seen = valid[:, :, None, :] & (
-        key_positions[:, :, None, :] <= query_positions.to(keys.device)[None, None, :, None]
-    )  # (B, H, W, L)
+    at = query_positions.to(keys.device)[None, None, :, None]
+    seen = valid[:, :, None, :] & (key_positions[:, :, None, :] <= at)  # (B, H, W, L)
+    if sliding_window is not None:
+        seen &= key_positions[:, :, None, :] > at - int(sliding_window)
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)
 

@@ -35,6 +35,8 @@ class CompactingLayer(CacheLayerMixin):
     Attributes:
         seen: Tokens this layer has seen (kept or not): the next token's position.
         ragged: The compacted K/V, None before compaction.
+        sliding_window: The layer's window as transformers last passed it (None: full
+            attention); keys it has slid past are dropped at every (re-)plan.
         observations: One per row: what the prefill forward observed for the policy
             (set by the cache; None before the prefill and after compaction).
         last_mass: ``(N,)`` ragged-ordered key mass of the last decode step, or None.
@@ -58,6 +60,7 @@ class CompactingLayer(CacheLayerMixin):
         self.recent_positions: torch.Tensor | None = None
         self.seen = 0
         self.ragged: RaggedLayer | None = None
+        self.sliding_window: int | None = None
         self.observations: list[LayerObservation] | None = None
         self.query_positions: torch.Tensor | None = None
         self.last_mass: torch.Tensor | None = None
@@ -129,6 +132,7 @@ class CompactingLayer(CacheLayerMixin):
         **kwargs: Any,
     ) -> torch.Tensor:
         """Attention output ``(B, S, Hq, D)`` for this layer's current forward."""
+        self.sliding_window = kwargs.get("sliding_window")
         if self.ragged is None:
             return causal_sdpa(module, query, key, value, scaling, **kwargs)
         assert self.query_positions is not None
@@ -147,6 +151,13 @@ class CompactingLayer(CacheLayerMixin):
         if self.window:
             self._keep_queries(query, self.query_positions[0])
         return out.transpose(1, 2).contiguous()
+
+    def first_visible(self) -> int | None:
+        """The oldest position the next query can attend to on a sliding-window layer
+        (older keys are never read again); None on a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        return max(0, self.seen - int(self.sliding_window) + 1)
 
     def _keep_queries(self, query: torch.Tensor, positions: torch.Tensor) -> None:
         """Keep the last ``window`` decode queries ``(B, Hq, S, D)`` and their positions."""

@@ -73,6 +73,56 @@ def test_compacted_decode_sees_only_the_window() -> None:
     assert (torch.stack(got) - expected).abs().max().item() < 1e-4
 
 
+def held_positions(cache: CompactingCache, layer: int) -> list[torch.Tensor]:
+    """Per kv head, the original positions a compacted layer holds (batch row 0)."""
+    ragged = cache.layers[layer].ragged
+    assert ragged is not None
+    _, _, positions, valid = ragged.padded()
+    return [positions[0, h][valid[0, h]] for h in range(positions.shape[1])]
+
+
+def test_prefill_drops_the_keys_sliding_layers_have_passed() -> None:
+    """Budget 1.0: a sliding layer holds only the W - 1 keys the next query can still see,
+    the full layer the whole prompt, and the logits stay the full cache's."""
+    model = small_gemma()
+    prompt = torch.randint(0, 256, (1, 40))
+    enable_lmcompact_attention(model)
+    cache = CompactingCache(model, "snapkv", budget=1.0)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+    for layer in (0, 1):
+        for held in held_positions(cache, layer):
+            assert held.tolist() == list(range(40 - WINDOW + 1, 40))
+    assert all(held.numel() == 40 for held in held_positions(cache, 2))
+
+
+@pytest.mark.parametrize("policy", ["rkv", "decoding_snapkv", "streaming_llm"])
+def test_decode_replans_never_keep_keys_outside_the_window(policy: str) -> None:
+    """A decode budget above the window: every re-plan leaves a sliding layer only keys its
+    next query sees (the redundancy or sink terms would otherwise keep passed ones), and
+    with the full layer under budget too the logits are the full cache's."""
+    model = small_gemma()
+    prompt = torch.randint(0, 256, (1, 20))
+    steps = torch.randint(0, 256, (30,))
+    expected = reference_steps(model, prompt, steps)
+    enable_lmcompact_attention(model)
+    cache = CompactingCache(model, policy, budget=1.0, decode_budget=64, decode_slack=4)
+    got = []
+    with torch.no_grad():
+        got.append(model(prompt, past_key_values=cache).logits[0, -1])
+        for token in steps:
+            got.append(model(token.view(1, 1), past_key_values=cache).logits[0, -1])
+            for layer in (0, 1):
+                first = cache.layers[layer].first_visible()
+                assert first is not None
+                for held in held_positions(cache, layer):
+                    # re-planned once slack tokens more than the window are held
+                    assert int(held.min()) >= first - 1 - cache.decode_slack
+                    assert held.numel() <= WINDOW + cache.decode_slack
+    assert cache.stats["decode_compactions"] > 0
+    assert (torch.stack(got) - expected).abs().max().item() < 1e-4
+
+
 def test_paged_cache_refuses_sliding_layers() -> None:
     model = small_gemma()
     with pytest.raises(ValueError, match="sliding-window"):
