@@ -322,18 +322,38 @@ class ChunkCodec:
         head = _PREFIX.pack(MAGIC, len(packed)) + packed + bytes(pad)
         return EncodedValue((head, *parts), len(head) + header["plen"], quantize)
 
-    def decode(self, data: Buffer, device: torch.device | str | None = None) -> CompactedChunk:
+    def verify(self, data: Buffer) -> None:
+        """Every check of :meth:`decode` (frame, header, namespace, shapes, checksum), no
+        decoding: a tier verifies many values on several threads (the checksum releases
+        the GIL) and then decodes each with ``checked=True``.
+
+        Raises:
+            CorruptEntryError: as :meth:`decode`, counted in :meth:`metrics`.
+        """
+        try:
+            self._frame_checked(data, checksum=True)
+        except CorruptEntryError as exc:
+            with self._lock:
+                self._rejected[exc.reason] = self._rejected.get(exc.reason, 0) + 1
+            raise
+
+    def decode(
+        self, data: Buffer, device: torch.device | str | None = None, *, checked: bool = False
+    ) -> CompactedChunk:
         """Check and decode one value; tensors are zero-copy views of ``data`` (of a
         quantized value: one fresh packed buffer of the dequantized rows, in ``dt``, on
         ``device`` when given: the quantized bytes cross to it and are dequantized there,
         half the bytes of the rows and no host pass over them).
+
+        ``checked``: :meth:`verify` passed on these very bytes (immutable since), so the
+        checksum is not computed again; every other check still runs.
 
         Raises:
             CorruptEntryError: (a subclass naming the check) for anything untrustworthy;
                 the refusal is counted in :meth:`metrics`.
         """
         try:
-            return self._decode(data, device)
+            return self._decode(data, device, checksum=not checked)
         except CorruptEntryError as exc:
             with self._lock:
                 self._rejected[exc.reason] = self._rejected.get(exc.reason, 0) + 1
@@ -344,7 +364,32 @@ class ChunkCodec:
         with self._lock:
             return dict(self._rejected)
 
-    def _decode(self, data: Buffer, device: torch.device | str | None) -> CompactedChunk:
+    def _decode(
+        self, data: Buffer, device: torch.device | str | None, checksum: bool
+    ) -> CompactedChunk:
+        h, counts, off = self._frame_checked(data, checksum)
+        n, nt, quantize = h["n"], h["nt"], h.get("q")
+        dtype = SUPPORTED_DTYPES[h["dt"]]
+        pos = "<u4" if quantize is None or position_bytes(nt) == 4 else "<u2"
+        # as uint32 a negative position reads >= 2**31, so one max checks both bounds
+        if n and int(np.frombuffer(data, dtype=pos, count=n, offset=off).max()) >= nt:
+            raise ShapeMismatchError(f"positions outside [0, {nt})")
+        if quantize is not None:
+            payload = (
+                torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            if device is not None:
+                payload = payload.to(device)
+            return dequantize_payload(payload, counts, nt, h["dk"], h["dv"], quantize, dtype)
+        positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
+        return CompactedChunk._trusted(keys, values, counts, positions, nt)
+
+    def _frame_checked(
+        self, data: Buffer, checksum: bool
+    ) -> tuple[dict[str, Any], torch.Tensor, int]:
+        """The checked header, its kept counts and the payload's offset."""
         mv = memoryview(data).cast("B")
         if len(mv) < _PREFIX.size:
             raise TruncatedEntryError(f"value of {len(mv)} bytes is shorter than its prefix")
@@ -375,24 +420,9 @@ class ChunkCodec:
             raise TruncatedEntryError(f"payload has {have} of {h['plen']} bytes")
         if have > h["plen"]:
             raise ShapeMismatchError(f"{have - h['plen']} bytes trail the payload")
-        if _checksum(_meta(h), [mv[off:]]) != h["ck"]:
+        if checksum and _checksum(_meta(h), [mv[off:]]) != h["ck"]:
             raise ChecksumMismatchError("payload or header checksum mismatch")
-        n, nt = h["n"], h["nt"]
-        pos = "<u4" if quantize is None or position_bytes(nt) == 4 else "<u2"
-        # as uint32 a negative position reads >= 2**31, so one max checks both bounds
-        if n and int(np.frombuffer(data, dtype=pos, count=n, offset=off).max()) >= nt:
-            raise ShapeMismatchError(f"positions outside [0, {nt})")
-        if quantize is not None:
-            payload = (
-                torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
-                if n
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            if device is not None:
-                payload = payload.to(device)
-            return dequantize_payload(payload, counts, nt, h["dk"], h["dv"], quantize, dtype)
-        positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
-        return CompactedChunk._trusted(keys, values, counts, positions, nt)
+        return h, counts, off
 
     def _parse_header(self, raw: memoryview) -> dict[str, Any]:
         try:

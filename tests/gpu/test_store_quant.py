@@ -59,3 +59,30 @@ def test_the_quantized_cpu_tier_dequantizes_on_the_readers_device() -> None:
     assert host.keys.device.type == "cpu" and on_gpu.keys.device.type == "cuda"
     assert same(host.keys, on_gpu.keys) and same(host.values, on_gpu.values)
     assert torch.equal(host.positions, on_gpu.positions.cpu())
+
+
+def test_pinned_values_and_threaded_checks_give_the_host_decodes_rows() -> None:
+    """With CUDA the tier holds page-locked values; a many-chunk get to the GPU (checksums
+    on worker threads) gives every chunk's host-decoded rows, and a damaged one is refused."""
+    from lmcompact.store import ChunkCodec, chunk_keys
+    from lmcompact.store.tiers.encoded_cpu import PARALLEL_VERIFY_BYTES, EncodedCPUTier
+    from tests.unit.store.store_helpers import make_chunk, make_namespace
+
+    ns = make_namespace(policy_params={"budget": 0.5, "quantize": "int8"})
+    codec = ChunkCodec(ns, "int8")
+    tier = EncodedCPUTier(1 << 28, codec)
+    assert tier.pin_memory
+    chunks = [make_chunk(20 + i, layers=8, heads=4, kept=96, dim=128) for i in range(12)]
+    keys = chunk_keys(list(range(12 * 256)), ns, 256)
+    assert tier.put_many(list(zip(keys, chunks, strict=True))) == [True] * 12
+    assert sum(v.numel() for v in tier._values.values()) >= PARALLEL_VERIFY_BYTES
+    assert all(v.is_pinned() for v in tier._values.values())
+    tier._values[keys[5]][-7] ^= 1  # a scale byte of one value
+    got = tier.get_many(keys, torch.device("cuda"))
+    assert tier._verifier is not None and got[5] is None and not tier.contains(keys[5])
+    for i, (chunk, out) in enumerate(zip(chunks, got, strict=True)):
+        if i == 5:
+            continue
+        expected = codec.decode(codec.encode(chunk).tobytes())
+        assert out is not None and out.keys.device.type == "cuda"
+        assert same(out.keys, expected.keys) and same(out.values, expected.values)

@@ -72,3 +72,34 @@ def test_a_damaged_value_is_refused_and_dropped() -> None:
         assert store.get(key) is None
         assert not tier.contains(key) and tier.used_bytes == 0
         assert tier.stats.snapshot()["rejected"] == 1
+
+
+def test_a_many_chunk_get_verifies_on_threads_and_refuses_only_the_damaged_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above PARALLEL_VERIFY_BYTES the checksums run on worker threads ahead of the
+    decodes: the same rows as one-by-one decoding, and a damaged value still refused."""
+    import lmcompact.store.tiers.encoded_cpu as encoded_cpu
+
+    monkeypatch.setattr(encoded_cpu, "PARALLEL_VERIFY_BYTES", 1)
+    chunks = [make_chunk(10 + i, kept=16, dim=32, dtype=torch.bfloat16) for i in range(6)]
+    keys = chunk_keys(list(range(6 * 64)), NS, 64)
+    codec = ChunkCodec(NS, "int8")
+    with quantized_store() as store:
+        tier = store.tier("cpu")
+        assert isinstance(tier, EncodedCPUTier)
+        for key, chunk in zip(keys, chunks, strict=True):
+            assert store.put(key, chunk)
+        raw = bytearray(tier._values[keys[3]])
+        raw[-5] ^= 0x01
+        tier._values[keys[3]] = bytes(raw)
+        got = tier.get_many(keys)
+        assert tier._verifier is not None  # the threaded path ran
+        for i, (chunk, out) in enumerate(zip(chunks, got, strict=True)):
+            if i == 3:
+                assert out is None
+                continue
+            assert out is not None
+            assert same_chunk(out, codec.decode(codec.encode(chunk).tobytes()))
+        assert not tier.contains(keys[3]) and tier.stats.snapshot()["rejected"] == 1
+        assert tier.codec.metrics()["checksum_mismatch"] == 1  # counted once, by verify
