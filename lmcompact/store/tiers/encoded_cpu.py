@@ -8,13 +8,11 @@ value (checksum, namespace and format checks, then dequantization into a fresh c
 the device the caller names: a loading GPU worker gets the int8 bytes dequantized on its
 GPU, not a host pass over every row).
 
-With CUDA present each value lives in page-locked memory (as :class:`CPUTier` holds its
-chunks), so its bytes cross to the GPU at copy-engine speed rather than through a pageable
-staging copy, and a many-chunk get verifies the values' checksums on a few threads (xxHash
-releases the GIL) while the caller copies and dequantizes the ones already verified, in
-order, on its own stream. A value is written once at put and never handed out writable
-(gets return fresh dequantized rows), so what was verified is what is decoded. Eviction is
-least recently used, entries being loaded are pinned (:meth:`pin`), and a value the codec
+Values are immutable ``bytes``. A many-chunk get verifies their checksums on a few threads
+(xxHash releases the GIL) while the caller copies and dequantizes the ones already
+verified, in order, on its own stream; what was verified is what is decoded. (Page-locked
+values would copy to the GPU faster, but each save would pay one page-locked allocation per
+value: ``docs/benchmarks/connector-default-h200.md``.) Eviction is least recently used, entries being loaded are pinned (:meth:`pin`), and a value the codec
 refuses is dropped and counted as ``rejected``.
 """
 
@@ -27,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from lmcompact.store.chunk import CompactedChunk
@@ -42,18 +39,6 @@ PARALLEL_VERIFY_BYTES = 1 << 22
 """A get verifies on worker threads once its values hold this many bytes (below, the
 threads' hand-off costs more than it saves)."""
 
-_Value = bytes | torch.Tensor  # a pinned uint8 tensor where CUDA is present
-
-
-def _buffer(value: _Value) -> memoryview:
-    if isinstance(value, torch.Tensor):
-        return value.numpy().data  # the page-locked bytes themselves, no copy
-    return memoryview(value)
-
-
-def _nbytes(value: _Value) -> int:
-    return int(value.numel()) if isinstance(value, torch.Tensor) else len(value)
-
 
 class EncodedCPUTier(StorageTier):
     """Host-memory tier of encoded (quantized) values.
@@ -61,22 +46,18 @@ class EncodedCPUTier(StorageTier):
     Args:
         capacity_bytes: most value bytes held.
         codec: the store's codec (its namespace and quantization).
-        pin_memory: hold values page-locked; None: when CUDA is available.
     """
 
     name = "cpu"
     holds_encoded = True
 
-    def __init__(
-        self, capacity_bytes: int, codec: ChunkCodec, *, pin_memory: bool | None = None
-    ) -> None:
+    def __init__(self, capacity_bytes: int, codec: ChunkCodec) -> None:
         super().__init__()
         if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.codec = codec
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._capacity = capacity_bytes
-        self._values: OrderedDict[ChunkKey, _Value] = OrderedDict()  # oldest use first
+        self._values: OrderedDict[ChunkKey, bytes] = OrderedDict()  # oldest use first
         self._verifier: ThreadPoolExecutor | None = None
         self._pins = PinTable()
         self._used = 0
@@ -127,7 +108,7 @@ class EncodedCPUTier(StorageTier):
                 try:
                     if check is not None:
                         check.result()
-                    chunk = self.codec.decode(_buffer(value), device, checked=check is not None)
+                    chunk = self.codec.decode(value, device, checked=check is not None)
                 except CorruptEntryError as exc:
                     logger.warning("cpu tier refused %r: %s", key, exc)
                     rejected += 1
@@ -135,21 +116,21 @@ class EncodedCPUTier(StorageTier):
             out.append(chunk)
             if chunk is not None:
                 hits += 1
-                nbytes += _nbytes(value) if value is not None else 0
+                nbytes += len(value or b"")
         self.stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, rejected=rejected)
         return out
 
-    def _verify_ahead(self, found: Sequence[_Value | None]) -> list[Future[None] | None]:
+    def _verify_ahead(self, found: Sequence[bytes | None]) -> list[Future[None] | None]:
         """Checksums of several large values started on worker threads (None each: the
         decode verifies inline)."""
         values = [v for v in found if v is not None]
-        if len(values) < 2 or sum(_nbytes(v) for v in values) < PARALLEL_VERIFY_BYTES:
+        if len(values) < 2 or sum(len(v) for v in values) < PARALLEL_VERIFY_BYTES:
             return [None] * len(found)
         if self._verifier is None:
             workers = max(1, min(8, (os.cpu_count() or 2) // 2))
             self._verifier = ThreadPoolExecutor(workers, thread_name_prefix="lmc-verify")
         pool = self._verifier
-        return [None if v is None else pool.submit(self.codec.verify, _buffer(v)) for v in found]
+        return [None if v is None else pool.submit(self.codec.verify, v) for v in found]
 
     def put_many(
         self, items: Sequence[tuple[ChunkKey, CompactedChunk | EncodedValue]]
@@ -162,10 +143,6 @@ class EncodedCPUTier(StorageTier):
         return out
 
     def _put_value(self, key: ChunkKey, data: bytes) -> bool:
-        value: _Value = data
-        if self.pin_memory and key not in self._values and len(data) <= self._capacity:
-            value = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-            value.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         with self._lock:
             if key in self._values:
                 self._values.move_to_end(key)
@@ -180,7 +157,7 @@ class EncodedCPUTier(StorageTier):
                     return False
                 self._drop(victim)
                 self.stats.add(evictions=1)
-            self._values[key] = value
+            self._values[key] = data
             self._used += len(data)
         self.stats.add(puts=1, bytes_in=len(data))
         return True
@@ -189,7 +166,7 @@ class EncodedCPUTier(StorageTier):
         data = self._values.pop(key, None)
         if data is None:
             return False
-        self._used -= _nbytes(data)
+        self._used -= len(data)
         return True
 
     def pin(self, key: ChunkKey) -> bool:
