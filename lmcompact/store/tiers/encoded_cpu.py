@@ -11,9 +11,10 @@ GPU, not a host pass over every row).
 Values are immutable ``bytes``. A many-chunk get verifies their checksums on a few threads
 (xxHash releases the GIL) while the caller copies and dequantizes the ones already
 verified, in order, on its own stream; what was verified is what is decoded. (Page-locked
-values would copy to the GPU faster, but each save would pay one page-locked allocation per
-value: ``docs/benchmarks/connector-default-h200.md``.) Eviction is least recently used, entries being loaded are pinned (:meth:`pin`), and a value the codec
-refuses is dropped and counted as ``rejected``.
+values would copy to the GPU faster, but each save would pay one page-locked allocation
+per value: ``docs/benchmarks/connector-default-h200.md``.) Eviction is least recently
+used, entries being loaded are pinned (:meth:`pin`), and a value the codec refuses is
+dropped and counted as ``rejected``.
 """
 
 from __future__ import annotations
