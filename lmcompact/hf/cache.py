@@ -500,6 +500,7 @@ def _slid_past_dropped(plan: KeepPlan, layers: Sequence[CompactingLayer]) -> Kee
     it can still see and no more than the plan's largest head kept there: a key the window
     has passed is never attended to again, so a policy's pick of one is memory spent on
     nothing (vLLM's path does the same, :meth:`KeepPlan.with_recent`)."""
+    by_count: dict[int, list[int]] = {}
     for index, layer in enumerate(layers):
         first = layer.first_visible()
         if first is None:
@@ -507,7 +508,9 @@ def _slid_past_dropped(plan: KeepPlan, layers: Sequence[CompactingLayer]) -> Kee
         largest = max(int(kept.numel()) for kept in plan.kept[index])
         count = min(largest, plan.seq_len - first)
         if count >= 1:
-            plan = plan.with_recent([index], count)
+            by_count.setdefault(count, []).append(index)
+    for count, chosen in by_count.items():  # one new plan per count, not per layer
+        plan = plan.with_recent(chosen, count)
     return plan
 
 

@@ -333,8 +333,7 @@ class ChunkCodec:
         try:
             self._frame_checked(data, checksum=True)
         except CorruptEntryError as exc:
-            with self._lock:
-                self._rejected[exc.reason] = self._rejected.get(exc.reason, 0) + 1
+            self._count_refusal(exc)
             raise
 
     def decode(
@@ -355,9 +354,12 @@ class ChunkCodec:
         try:
             return self._decode(data, device, checksum=not checked)
         except CorruptEntryError as exc:
-            with self._lock:
-                self._rejected[exc.reason] = self._rejected.get(exc.reason, 0) + 1
+            self._count_refusal(exc)
             raise
+
+    def _count_refusal(self, exc: CorruptEntryError) -> None:
+        with self._lock:
+            self._rejected[exc.reason] = self._rejected.get(exc.reason, 0) + 1
 
     def metrics(self) -> dict[str, int]:
         """Refusals so far, by reason."""
