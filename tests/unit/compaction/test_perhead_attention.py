@@ -18,6 +18,8 @@ from lmcompact.compaction.holes import Hole, skip_holes
 from lmcompact.compaction.page_layout import make_layout
 from lmcompact.compaction.per_head import masked_decode_attention
 from lmcompact.compaction.per_head_attention import PerHeadAttention
+from lmcompact.kernels.entry_attention import entry_attention_reference
+from lmcompact.layout.paged import vllm_kv_views
 
 BS, H, G, D, L = 8, 2, 2, 4, 2
 SCALE = 1 / math.sqrt(D)
@@ -83,7 +85,7 @@ def test_recompute_overwrites_per_head_rows_only(layout_name: str) -> None:
                 reserved=2 * BS,
             )
             torch.testing.assert_close(output[rows].view(-1, H * G, D), want)
-    assert perhead.stats == {"requests": 2, "calls": 2, "query_rows": 8}
+    assert perhead.stats == {"requests": 2, "calls": 2, "query_rows": 8, "rows_cut_to_tail": 0}
 
 
 def test_forgotten_requests_are_not_recomputed() -> None:
@@ -109,3 +111,83 @@ def test_inconsistent_state_raises() -> None:
     perhead.begin_step(HOLES, forgotten=[])
     with pytest.raises(RuntimeError, match="per-head cells end"):
         perhead("l0", torch.randn(5, H * G * D), metadata, torch.zeros(5, H * G * D))
+
+
+def test_tail_only_rows_leave_vllm_the_tail_and_the_entry_launch_the_hole_cut_copies() -> None:
+    """Full-graph runs: vLLM's kernel reads per-head rows cut to their tail, the entry
+    launch (here its torch reference) reads copies of the hole-cut rows and gives the
+    masked reference's rows; row b is left as it was."""
+    perhead, metadata, kv = batch("token_major")
+    perhead.attend_in_place(capacity=4, max_keys=8 * BS)
+    perhead.tail_only = True
+    perhead.add("a", 3, COUNTS["a"], 2 * BS)
+    perhead.add("c", 10, COUNTS["c"], 2 * BS)
+    # the runner's fixed buffers (max_num_reqs rows); the step reads leading views
+    buffer = torch.zeros(6, metadata.block_table.shape[1], dtype=torch.int32)
+    lens_buffer = torch.zeros(6, dtype=torch.int32)
+    # an earlier step with the rows in another order: its copy must not survive
+    buffer[:3] = metadata.block_table.flip(0)
+    lens_buffer[:3] = metadata.seq_lens.flip(0)
+    perhead.cut_to_tails(["c", "b", "a"], buffer[:3], lens_buffer[:3], HOLES)
+    buffer[:3] = metadata.block_table
+    lens_buffer[:3] = metadata.seq_lens
+    table, lens = buffer[:3], lens_buffer[:3]
+    hole_cut = table.clone(), lens.clone()
+    cut = perhead.cut_to_tails(["a", "b", "c"], table, lens, HOLES)
+    perhead.begin_step(HOLES, forgotten=[])
+    assert cut == {0: 2 * BS, 2: 2 * BS}
+    assert table[0, :2].tolist() == ROWS["a"][5:7] and int(lens[0]) == LOGICAL["a"] - 5 * BS
+    assert table[2, :2].tolist() == ROWS["c"][6:8] and int(lens[2]) == LOGICAL["c"] - 6 * BS
+    assert torch.equal(table[1], hole_cut[0][1]) and int(lens[1]) == int(hole_cut[1][1])
+    step = SimpleNamespace(block_table=table, seq_lens=lens)
+    copy_table, copy_lens = perhead._entry_inputs(step, capturing=False)
+    assert torch.equal(copy_table, hole_cut[0]) and torch.equal(copy_lens, hole_cut[1])
+    assert copy_table.data_ptr() != table.data_ptr()
+    assert perhead.stats["rows_cut_to_tail"] == 4
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(5, H * G, D, generator=gen)
+    for i, name in enumerate(kv):
+        key_pool, value_pool = vllm_kv_views(kv[name])
+        output = torch.zeros(5, H * G, D)
+        assert perhead.tables is not None
+        entry_attention_reference(
+            query,
+            key_pool,
+            value_pool,
+            copy_table,
+            metadata.query_start_loc,
+            copy_lens,
+            perhead.tables.layers[i],
+            output,
+            scale=SCALE,
+            num_reqs=3,
+        )
+        assert not output[1].any()  # row b: not a per-head request
+        for rid, rows in (("a", slice(0, 1)), ("c", slice(2, 5))):
+            hole = HOLES[ROWS[rid][0]]
+            want = masked_decode_attention(
+                query[rows],
+                kv[name],
+                perhead.layout,
+                ROWS[rid],
+                COUNTS[rid][i],
+                (hole.start_block + hole.num_blocks) * BS,
+                LOGICAL[rid],
+                SCALE,
+                reserved=2 * BS,
+            )
+            torch.testing.assert_close(output[rows], want)
+
+
+def test_tail_only_refuses_tables_the_runner_never_copied() -> None:
+    perhead, metadata, _ = batch("token_major")
+    perhead.attend_in_place(capacity=4, max_keys=8 * BS)
+    with pytest.raises(RuntimeError, match="tail_only"):
+        perhead.cut_to_tails(["a"], metadata.block_table, metadata.seq_lens, HOLES)
+    perhead.tail_only = True
+    perhead.add("a", 3, COUNTS["a"], 2 * BS)
+    perhead.begin_step(HOLES, forgotten=[])
+    with pytest.raises(RuntimeError, match="never copied"):
+        perhead._entry_inputs(metadata, capturing=False)
+    table, lens = perhead._entry_inputs(metadata, capturing=True)  # a capture may read it
+    assert not table.any() and not lens.any()
