@@ -322,22 +322,32 @@ class ChunkCodec:
         head = _PREFIX.pack(MAGIC, len(packed)) + packed + bytes(pad)
         return EncodedValue((head, *parts), len(head) + header["plen"], quantize)
 
-    def verify(self, data: Buffer) -> None:
+    def verify(self, data: Buffer) -> tuple[int, int] | None:
         """Every check of :meth:`decode` (frame, header, namespace, shapes, checksum), no
         decoding: a tier verifies many values on several threads (the checksum releases
         the GIL) and then decodes each with ``checked=True``.
+
+        Returns:
+            ``(offset, length)`` of a quantized value's payload in ``data`` (what a tier
+            may stage for :meth:`decode`'s ``staged``), None for an unquantized value.
 
         Raises:
             CorruptEntryError: as :meth:`decode`, counted in :meth:`metrics`.
         """
         try:
-            self._frame_checked(data, checksum=True)
+            h, _, off = self._frame_checked(data, checksum=True)
         except CorruptEntryError as exc:
             self._count_refusal(exc)
             raise
+        return None if h.get("q") is None else (off, int(h["plen"]))
 
     def decode(
-        self, data: Buffer, device: torch.device | str | None = None, *, checked: bool = False
+        self,
+        data: Buffer,
+        device: torch.device | str | None = None,
+        *,
+        checked: bool = False,
+        staged: torch.Tensor | None = None,
     ) -> CompactedChunk:
         """Check and decode one value; tensors are zero-copy views of ``data`` (of a
         quantized value: one fresh packed buffer of the dequantized rows, in ``dt``, on
@@ -345,14 +355,16 @@ class ChunkCodec:
         half the bytes of the rows and no host pass over them).
 
         ``checked``: :meth:`verify` passed on these very bytes (immutable since), so the
-        checksum is not computed again; every other check still runs.
+        checksum is not computed again; every other check still runs. ``staged``: the
+        payload of this quantized value (the span :meth:`verify` returned) already copied
+        to the device, used in place of a copy of ``data``'s payload.
 
         Raises:
             CorruptEntryError: (a subclass naming the check) for anything untrustworthy;
                 the refusal is counted in :meth:`metrics`.
         """
         try:
-            return self._decode(data, device, checksum=not checked)
+            return self._decode(data, device, checksum=not checked, staged=staged)
         except CorruptEntryError as exc:
             self._count_refusal(exc)
             raise
@@ -367,7 +379,11 @@ class ChunkCodec:
             return dict(self._rejected)
 
     def _decode(
-        self, data: Buffer, device: torch.device | str | None, checksum: bool
+        self,
+        data: Buffer,
+        device: torch.device | str | None,
+        checksum: bool,
+        staged: torch.Tensor | None = None,
     ) -> CompactedChunk:
         h, counts, off = self._frame_checked(data, checksum)
         n, nt, quantize = h["n"], h["nt"], h.get("q")
@@ -376,14 +392,24 @@ class ChunkCodec:
         # as uint32 a negative position reads >= 2**31, so one max checks both bounds
         if n and int(np.frombuffer(data, dtype=pos, count=n, offset=off).max()) >= nt:
             raise ShapeMismatchError(f"positions outside [0, {nt})")
-        if quantize is not None:
-            payload = (
-                torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
-                if n
-                else torch.empty(0, dtype=torch.uint8)
+        if staged is not None and (
+            quantize is None or staged.dtype != torch.uint8 or staged.numel() != h["plen"]
+        ):
+            raise ValueError(
+                f"a staged payload must be the {h['plen']} uint8 bytes of a quantized value, "
+                f"got {staged.numel()} {staged.dtype}"
             )
-            if device is not None:
-                payload = payload.to(device)
+        if quantize is not None:
+            if staged is not None:
+                payload = staged
+            else:
+                payload = (
+                    torch.frombuffer(data, dtype=torch.uint8, count=h["plen"], offset=off)
+                    if n
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                if device is not None:
+                    payload = payload.to(device)
             return dequantize_payload(payload, counts, nt, h["dk"], h["dv"], quantize, dtype)
         positions, keys, values = _views(data, off, n, h["dk"], h["dv"], dtype)
         return CompactedChunk._trusted(keys, values, counts, positions, nt)

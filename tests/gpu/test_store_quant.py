@@ -61,10 +61,12 @@ def test_the_quantized_cpu_tier_dequantizes_on_the_readers_device() -> None:
     assert torch.equal(host.positions, on_gpu.positions.cpu())
 
 
-def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu() -> None:
-    """A many-chunk get to the GPU (checksums on worker threads, copies and dequantization
-    in order on the caller's stream) gives every chunk's host-decoded rows, and a damaged
-    value is refused."""
+@pytest.mark.parametrize("workers", [1, 4])
+def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu(workers: int) -> None:
+    """A many-chunk get to the GPU (checksums on worker threads, payloads staged through the
+    page-locked ring, copies and dequantization in order on the caller's stream) gives every
+    chunk's host-decoded rows, and a damaged value is refused; twice (the ring is kept,
+    with 1 worker its 2 slots are refilled 6 times per get)."""
     from lmcompact.store import ChunkCodec, chunk_keys
     from lmcompact.store.tiers.encoded_cpu import PARALLEL_VERIFY_BYTES, EncodedCPUTier
     from tests.unit.store.store_helpers import make_chunk, make_namespace
@@ -72,6 +74,7 @@ def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu() -> None:
     ns = make_namespace(policy_params={"budget": 0.5, "quantize": "int8"})
     codec = ChunkCodec(ns, "int8")
     tier = EncodedCPUTier(1 << 28, codec)
+    tier._workers = workers
     chunks = [make_chunk(20 + i, layers=8, heads=4, kept=96, dim=128) for i in range(12)]
     keys = chunk_keys(list(range(12 * 256)), ns, 256)
     assert tier.put_many(list(zip(keys, chunks, strict=True))) == [True] * 12
@@ -81,9 +84,15 @@ def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu() -> None:
     tier._values[keys[5]] = bytes(raw)
     got = tier.get_many(keys, torch.device("cuda"))
     assert tier._verifier is not None and got[5] is None and not tier.contains(keys[5])
+    ring = tier._ring
+    assert ring is not None and ring.slots == 2 * workers and ring.buffer.is_pinned()
+    again = tier.get_many(keys, torch.device("cuda"))
+    assert tier._ring is ring and again[5] is None
     for i, (chunk, out) in enumerate(zip(chunks, got, strict=True)):
         if i == 5:
             continue
-        expected = codec.decode(codec.encode(chunk).tobytes())
+        second = again[i]
         assert out is not None and out.keys.device.type == "cuda"
+        assert second is not None and same(second.keys, out.keys)
+        expected = codec.decode(codec.encode(chunk).tobytes())
         assert same(out.keys, expected.keys) and same(out.values, expected.values)

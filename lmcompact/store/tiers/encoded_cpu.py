@@ -10,9 +10,11 @@ GPU, not a host pass over every row).
 
 Values are immutable ``bytes``. A many-chunk get verifies their checksums on a few threads
 (xxHash releases the GIL) while the caller copies and dequantizes the ones already
-verified, in order, on its own stream; what was verified is what is decoded. (Page-locked
-values would copy to the GPU faster, but each save would pay one page-locked allocation
-per value: ``docs/benchmarks/connector-default-h200.md``.) Eviction is least recently
+verified, in order, on its own stream; what was verified is what is decoded. Bound for a
+GPU, those threads also copy each verified payload into a slot of a page-locked ring
+(:mod:`lmcompact.store.tiers.staging`) and the caller copies the slot to the GPU
+asynchronously: values stay pageable at rest (a page-locked allocation per saved value
+costs more than it saves: ``docs/benchmarks/connector-default-h200.md``). Eviction is least recently
 used, entries being loaded are pinned (:meth:`pin`), and a value the codec refuses is
 dropped and counted as ``rejected``.
 """
@@ -32,13 +34,18 @@ from lmcompact.store.chunk import CompactedChunk
 from lmcompact.store.codec import ChunkCodec, CorruptEntryError, EncodedValue
 from lmcompact.store.eviction import PinTable
 from lmcompact.store.keys import ChunkKey
+from lmcompact.store.pinned_pool import size_class
 from lmcompact.store.tiers.base import StorageTier
+from lmcompact.store.tiers.staging import RingClosed, StagingRing
 
 logger = logging.getLogger(__name__)
 
 PARALLEL_VERIFY_BYTES = 1 << 22
 """A get verifies on worker threads once its values hold this many bytes (below, the
 threads' hand-off costs more than it saves)."""
+
+MAX_SLOT_BYTES = 64 << 20
+"""Largest value a get stages through the page-locked ring (larger ones copy directly)."""
 
 
 class EncodedCPUTier(StorageTier):
@@ -60,6 +67,8 @@ class EncodedCPUTier(StorageTier):
         self._capacity = capacity_bytes
         self._values: OrderedDict[ChunkKey, bytes] = OrderedDict()  # oldest use first
         self._verifier: ThreadPoolExecutor | None = None
+        self._workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._ring: StagingRing | None = None
         self._pins = PinTable()
         self._used = 0
         self._lock = threading.Lock()
@@ -100,38 +109,97 @@ class EncodedCPUTier(StorageTier):
                 if value is not None:
                     self._values.move_to_end(key)
                 found.append(value)
-        verified = self._verify_ahead(found)
+        ring = self._claim_ring(found, device)
+        checks = self._verify_ahead(found, ring)
         out: list[CompactedChunk | None] = []
         hits = nbytes = rejected = 0
-        for key, value, check in zip(keys, found, verified, strict=True):
-            chunk = None
-            if value is not None:
-                try:
+        try:
+            for index, (key, value, check) in enumerate(zip(keys, found, checks, strict=True)):
+                chunk = None
+                done: torch.cuda.Event | None = None
+                if value is not None:
+                    try:
+                        staged = None
+                        if check is not None:
+                            slot = check.result()
+                            if slot is not None:
+                                staged = slot.to(device, non_blocking=True)
+                                done = torch.cuda.Event()
+                                done.record(torch.cuda.current_stream(staged.device))
+                        chunk = self.codec.decode(
+                            value, device, checked=check is not None, staged=staged
+                        )
+                    except CorruptEntryError as exc:
+                        logger.warning("cpu tier refused %r: %s", key, exc)
+                        rejected += 1
+                        self.delete(key)
+                if ring is not None:
+                    ring.issued(index, done)
+                out.append(chunk)
+                if chunk is not None:
+                    hits += 1
+                    nbytes += len(value or b"")
+        finally:
+            if ring is not None:
+                ring.close()
+                for check in checks:
                     if check is not None:
-                        check.result()
-                    chunk = self.codec.decode(value, device, checked=check is not None)
-                except CorruptEntryError as exc:
-                    logger.warning("cpu tier refused %r: %s", key, exc)
-                    rejected += 1
-                    self.delete(key)
-            out.append(chunk)
-            if chunk is not None:
-                hits += 1
-                nbytes += len(value or b"")
+                        check.exception()  # wait: no worker may still write a slot
+                ring.release()
         self.stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, rejected=rejected)
         return out
 
-    def _verify_ahead(self, found: Sequence[bytes | None]) -> list[Future[None] | None]:
-        """Checksums of several large values started on worker threads (None each: the
-        decode verifies inline)."""
+    def _claim_ring(
+        self, found: Sequence[bytes | None], device: torch.device | str | None
+    ) -> StagingRing | None:
+        """The page-locked ring for a get bound for a GPU that verifies on threads (None:
+        not such a get, values too large, or another get holds the ring)."""
+        if device is None or torch.device(device).type != "cuda" or not self._threaded(found):
+            return None
+        largest = max(len(v) for v in found if v is not None)
+        if largest > MAX_SLOT_BYTES:
+            return None
+        ring = self._ring
+        if ring is None or ring.slot_bytes < largest:
+            if ring is not None and not ring.begin():
+                return None  # in use: this get copies directly
+            ring = StagingRing(size_class(largest), 2 * self._workers)
+            self._ring = ring
+        return ring if ring.begin() else None
+
+    def _threaded(self, found: Sequence[bytes | None]) -> bool:
         values = [v for v in found if v is not None]
-        if len(values) < 2 or sum(len(v) for v in values) < PARALLEL_VERIFY_BYTES:
+        return len(values) >= 2 and sum(len(v) for v in values) >= PARALLEL_VERIFY_BYTES
+
+    def _verify_ahead(
+        self, found: Sequence[bytes | None], ring: StagingRing | None
+    ) -> list[Future[torch.Tensor | None] | None]:
+        """Checksums of several large values started on worker threads, each also staged
+        in ``ring`` when given (None each: the decode verifies inline)."""
+        if not self._threaded(found):
             return [None] * len(found)
         if self._verifier is None:
-            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-            self._verifier = ThreadPoolExecutor(workers, thread_name_prefix="lmc-verify")
+            self._verifier = ThreadPoolExecutor(self._workers, thread_name_prefix="lmc-verify")
         pool = self._verifier
-        return [None if v is None else pool.submit(self.codec.verify, v) for v in found]
+        return [
+            None if v is None else pool.submit(self._verify_and_stage, v, i, ring)
+            for i, v in enumerate(found)
+        ]
+
+    def _verify_and_stage(
+        self, value: bytes, index: int, ring: StagingRing | None
+    ) -> torch.Tensor | None:
+        """Worker thread: verify ``value``; with a ring, copy its quantized payload into
+        chunk ``index``'s slot and return the slot's view."""
+        span = self.codec.verify(value)
+        if ring is None or span is None or not span[1] or span[1] > ring.slot_bytes:
+            return None
+        try:
+            return ring.stage(
+                index, torch.frombuffer(value, dtype=torch.uint8, count=span[1], offset=span[0])
+            )
+        except RingClosed:
+            return None
 
     def put_many(
         self, items: Sequence[tuple[ChunkKey, CompactedChunk | EncodedValue]]
