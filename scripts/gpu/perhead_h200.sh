@@ -18,7 +18,8 @@ KVZIP='"policy": "kvzip", "budget": 0.25, "window": 64, "cuda_graphs": "full", "
 case "$1" in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k "entry or dense" \
-    tests/gpu/test_connector_perhead.py 2>&1 | tail -15 | tee "$OUT/perhead-kernels.log"
+    tests/gpu/test_connector_perhead.py tests/gpu/test_store_quant.py 2>&1 | tail -15 \
+    | tee "$OUT/perhead-kernels.log"
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graphs.py \
     -k "per_head or packs" > "$OUT/perhead-serve-graphs.log" 2>&1
   grep -E "max \||passed|failed|Error" "$OUT/perhead-serve-graphs.log" | tail -20
@@ -47,6 +48,7 @@ profile)  # where a hit's time goes (the host functions with the most cumulative
   python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
     --decode-tokens 64 --profile --configs "{
  \"kvzip_ragged\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}}},
+ \"kvzip_ragged_int8\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}, \"quantize\": \"int8\"}},
  \"default\": {\"budget\": 0.25},
  \"adakv_inplace\": {\"policy\": \"adakv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\", \"per_head\": {\"slack\": 1.5}}}}" \
     --json "$OUT/perhead-h200-bench-profile.json" > "$OUT/perhead-bench-profile.log" 2>&1
