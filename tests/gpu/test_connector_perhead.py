@@ -89,9 +89,13 @@ def test_perhead_recompute_on_token_major_pages_matches_reference(
         max_query_len=3,
     )
     if perhead.tail_only:
-        cut = perhead.cut_to_tails(list(rows), metadata.block_table, metadata.seq_lens, holes)
+        cut = perhead.cut_to_tails(
+            list(rows), metadata.block_table, metadata.seq_lens, holes, metadata.query_start_loc
+        )
         assert cut == {0: 2 * bs, 1: 2 * bs}
-        assert metadata.block_table[0, :2].tolist() == rows["a"][5:7]
+        # a: 1 query, c: 3; both rows keep only the block of their first query
+        assert metadata.block_table[:, 0].tolist() == [rows["a"][6], rows["c"][7]]
+        assert metadata.seq_lens.tolist() == [bs - 2, bs - 1]
     query = torch.randn(4, h * g * d, device="cuda", generator=gen).to(dtype)
     output = torch.zeros(4, h * g * d, device="cuda", dtype=dtype)
     perhead("l0", query, metadata, output)

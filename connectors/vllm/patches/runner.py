@@ -40,10 +40,12 @@ class StepTableEditor(Protocol):
         block_tables: tuple[torch.Tensor, ...],
         seq_lens: torch.Tensor,
         seq_lens_upper: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Cut the staged holes out of the step's attention tables and key lengths, in
-        place; return the host upper bound of the cut key lengths, or None when nothing
-        was cut."""
+        place (``query_start_loc``: the step's query offsets on the device, where the
+        runner has them); return the host upper bound of the cut key lengths, or None when
+        nothing was cut."""
         ...
 
 
@@ -157,6 +159,7 @@ def _cut_attention_inputs(
             tuple(block_tables),
             attention,
             upper_uncut,
+            getattr(input_batch, "query_start_loc", None),
         )
     input_batch.seq_lens = attention
     if upper is not None:

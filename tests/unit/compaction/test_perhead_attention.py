@@ -113,10 +113,14 @@ def test_inconsistent_state_raises() -> None:
         perhead("l0", torch.randn(5, H * G * D), metadata, torch.zeros(5, H * G * D))
 
 
-def test_tail_only_rows_leave_vllm_the_tail_and_the_entry_launch_the_hole_cut_copies() -> None:
-    """Full-graph runs: vLLM's kernel reads per-head rows cut to their tail, the entry
-    launch (here its torch reference) reads copies of the hole-cut rows and gives the
-    masked reference's rows; row b is left as it was."""
+@pytest.mark.parametrize("queries", [False, True])
+def test_tail_only_rows_leave_vllm_the_tail_and_the_entry_launch_the_hole_cut_copies(
+    queries: bool,
+) -> None:
+    """Full-graph runs: vLLM's kernel reads per-head rows cut to their tail (given the
+    step's query offsets: to the block of their first query), the entry launch (here its
+    torch reference) reads copies of the hole-cut rows and gives the masked reference's
+    rows; row b is left as it was."""
     perhead, metadata, kv = batch("token_major")
     perhead.attend_in_place(capacity=4, max_keys=8 * BS)
     perhead.tail_only = True
@@ -133,11 +137,16 @@ def test_tail_only_rows_leave_vllm_the_tail_and_the_entry_launch_the_hole_cut_co
     lens_buffer[:3] = metadata.seq_lens
     table, lens = buffer[:3], lens_buffer[:3]
     hole_cut = table.clone(), lens.clone()
-    cut = perhead.cut_to_tails(["a", "b", "c"], table, lens, HOLES)
+    starts = metadata.query_start_loc if queries else None
+    cut = perhead.cut_to_tails(["a", "b", "c"], table, lens, HOLES, starts)
     perhead.begin_step(HOLES, forgotten=[])
-    assert cut == {0: 2 * BS, 2: 2 * BS}
-    assert table[0, :2].tolist() == ROWS["a"][5:7] and int(lens[0]) == LOGICAL["a"] - 5 * BS
-    assert table[2, :2].tolist() == ROWS["c"][6:8] and int(lens[2]) == LOGICAL["c"] - 6 * BS
+    assert cut == {0: 2 * BS, 2: 2 * BS}  # at least the tail's start
+    if queries:  # a: 1 query of 30 hole-cut keys, c: 3 of 31 -> their last block
+        assert table[0, :2].tolist() == [ROWS["a"][6], 0] and int(lens[0]) == 6
+        assert table[2, :2].tolist() == [ROWS["c"][7], 0] and int(lens[2]) == 7
+    else:
+        assert table[0, :2].tolist() == ROWS["a"][5:7] and int(lens[0]) == LOGICAL["a"] - 5 * BS
+        assert table[2, :2].tolist() == ROWS["c"][6:8] and int(lens[2]) == LOGICAL["c"] - 6 * BS
     assert torch.equal(table[1], hole_cut[0][1]) and int(lens[1]) == int(hole_cut[1][1])
     step = SimpleNamespace(block_table=table, seq_lens=lens)
     copy_table, copy_lens = perhead._entry_inputs(step, capturing=False)

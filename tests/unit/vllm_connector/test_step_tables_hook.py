@@ -29,6 +29,7 @@ class CuttingEditor:
         block_tables: tuple[torch.Tensor, ...],
         seq_lens: torch.Tensor,
         seq_lens_upper: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         self.calls += 1
         row = req_ids.index("b")
