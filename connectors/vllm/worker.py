@@ -72,6 +72,8 @@ from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 from lmcompact.store.pinned_pool import PinnedBufferPool, size_class
+from lmcompact.store.quant import quantized_nbytes
+from lmcompact.store.tiers.encoded_cpu import EncodedCPUTier
 from lmcompact.store.transfer import CopierPool, PendingCopy
 
 logger = logging.getLogger(__name__)
@@ -280,12 +282,29 @@ class Worker:
         while size <= top:
             self._host_pool.reserve(size, len(self.kv_caches))
             size *= 2
+        staging = self._reserve_load_staging()
         logger.info(
-            "store warm-up: %.2f GiB of pinned host buffers for saves of up to %d tokens in %.1f s",
+            "store warm-up: %.2f GiB of pinned host buffers for saves of up to %d tokens "
+            "(+ %.2f GiB for loads of quantized chunks) in %.1f s",
             self._host_pool.held_bytes / 2**30,
             most,
+            staging / 2**30,
             time.perf_counter() - began,
         )
+
+    def _reserve_load_staging(self) -> int:
+        """The quantized CPU tier's page-locked ring for loads, sized for one chunk's
+        value (its rows at the store's caps, its header), allocated now."""
+        tiers = [t for t in self.store.tiers if isinstance(t, EncodedCPUTier)]
+        if not tiers:
+            return 0
+        per_layer = self.layer_cap or self.kept * self.facts.num_kv_heads
+        rows = self.facts.num_layers * per_layer
+        chunk = self.config.store.chunk_size
+        d = self.facts.head_dim
+        counts = 4 * self.facts.num_layers * self.facts.num_kv_heads  # the header's counts
+        value = quantized_nbytes(rows, d, d, chunk) + counts + 4096
+        return sum(tier.reserve_staging(value) for tier in tiers)
 
     def _rehearse_save(self) -> None:
         """``store.warm_up``: one save of a step's span run through everything a save does

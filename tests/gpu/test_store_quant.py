@@ -75,6 +75,8 @@ def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu(workers: int) -> 
     codec = ChunkCodec(ns, "int8")
     tier = EncodedCPUTier(1 << 28, codec)
     tier._workers = workers
+    reserved = tier.reserve_staging(900_000)  # start-up: the ring before any get
+    assert reserved == 2 * workers * (1 << 20)  # 817 kB values: 1 MiB slots
     chunks = [make_chunk(20 + i, layers=8, heads=4, kept=96, dim=128) for i in range(12)]
     keys = chunk_keys(list(range(12 * 256)), ns, 256)
     assert tier.put_many(list(zip(keys, chunks, strict=True))) == [True] * 12
@@ -86,6 +88,7 @@ def test_threaded_checks_give_the_host_decodes_rows_on_the_gpu(workers: int) -> 
     assert tier._verifier is not None and got[5] is None and not tier.contains(keys[5])
     ring = tier._ring
     assert ring is not None and ring.slots == 2 * workers and ring.buffer.is_pinned()
+    assert ring.slot_bytes == 1 << 20  # the reserved ring held these values: not replaced
     again = tier.get_many(keys, torch.device("cuda"))
     assert tier._ring is ring and again[5] is None
     for i, (chunk, out) in enumerate(zip(chunks, got, strict=True)):

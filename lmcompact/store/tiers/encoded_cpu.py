@@ -149,6 +149,18 @@ class EncodedCPUTier(StorageTier):
         self.stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, rejected=rejected)
         return out
 
+    def reserve_staging(self, value_bytes: int) -> int:
+        """Allocate the page-locked ring for values of up to ``value_bytes`` now (at
+        start-up) rather than in the first get that needs it; returns its bytes (0 when
+        such values are too large to stage)."""
+        if value_bytes > MAX_SLOT_BYTES:
+            return 0
+        ring = self._ring
+        if ring is None or ring.slot_bytes < value_bytes:
+            ring = StagingRing(size_class(value_bytes), 2 * self._workers)
+            self._ring = ring
+        return ring.slots * ring.slot_bytes
+
     def _claim_ring(
         self, found: Sequence[bytes | None], device: torch.device | str | None
     ) -> StagingRing | None:
