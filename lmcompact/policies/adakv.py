@@ -81,31 +81,42 @@ class AdaKV(CompactionPolicy):
         self.inner.check_inputs(inputs)
 
     def layer_mask(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
-        """``(H, T)`` bool keep mask of one layer from its ``(H, T)`` scores, on their device.
+        """``(H, T)`` bool keep mask of one layer from its ``(H, T)`` scores, on their device."""
+        return self.layer_masks(scores[None], inputs)[0]
 
-        Ranked where the scores are, so a GPU pack does not sort on the host."""
+    def layer_masks(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
+        """``(L, H, T)`` bool keep masks from every layer's ``(L, H, T)`` scores at once.
+
+        Ranked where the scores are, all layers in each sort (a GPU pack does not sort on
+        the host, nor wait for the device once per layer); each layer's mask is the one
+        its own ranking gives."""
         keep = self.keep_count(inputs)
         device = scores.device
-        valid = inputs.valid_or_all().to(device)
-        heads, length = scores.shape
-        ranked = scores.detach().double()
+        layers, heads, length = scores.shape
+        valid_heads = inputs.valid_or_all()
+        available = [int(n) for n in valid_heads.sum(dim=-1).tolist()]
+        valid = valid_heads.to(device).expand(layers, heads, length).reshape(-1, length)
+        ranked = scores.detach().double().reshape(layers * heads, length)
         if inputs.max_tokens is not None:
             # a head's pairs past its own best max_tokens never compete: the layer's budget
             # goes to the next best pairs of the other heads (a capped top-k, in one pass)
-            valid = valid & topk_mask_here(ranked, min(inputs.max_tokens, length), valid)
+            cap = min(inputs.max_tokens, length)
+            valid = valid & topk_mask_here(ranked, cap, valid)
+            available = [min(cap, n) for n in available]
         safeguard = topk_mask_here(ranked, math.ceil(self.alpha_safeguard * keep), valid)
-        total = min(keep * heads, int(valid.sum()))
+        # every layer has the same valid pairs, so the same total
+        total = min(keep * heads, sum(available))
         if inputs.max_tokens is not None and inputs.max_layer_tokens is not None:
             total = min(total, inputs.max_layer_tokens)
-        # One ranking over the flattened (H x T) pairs: safeguards first, then by
+        # One ranking per layer over its flattened (H x T) pairs: safeguards first, then by
         # score; invalid slots last (never reached, total <= valid slots).
-        ranked = ranked.masked_fill(safeguard, float("inf")).reshape(1, -1)
-        chosen = descending_order(ranked, valid.reshape(1, -1))[0, :total]
-        mask = torch.zeros(heads * length, dtype=torch.bool, device=device)
-        mask[chosen] = True
-        return mask.view(heads, length)
+        ranked = ranked.masked_fill(safeguard, float("inf")).reshape(layers, heads * length)
+        chosen = descending_order(ranked, valid.reshape(layers, heads * length))[:, :total]
+        mask = torch.zeros(layers, heads * length, dtype=torch.bool, device=device)
+        mask.scatter_(1, chosen, True)
+        return mask.view(layers, heads, length)
 
     def plan(self, inputs: CompactionInputs) -> KeepPlan:
         self.check_inputs(inputs)
-        masks = [self.layer_mask(scores, inputs) for scores in self.inner.score_all(inputs)]
-        return KeepPlan.from_masks(torch.stack(masks))
+        scores = torch.stack(list(self.inner.score_all(inputs)))
+        return KeepPlan.from_masks(self.layer_masks(scores, inputs))

@@ -18,8 +18,10 @@ mkdir -p "$OUT"
 KVZIP='"policy": "kvzip", "budget": 0.25, "window": 64, "cuda_graphs": "full", "release": {"prefill": "off"}'
 case "$1" in
 tests)
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k "entry or dense" \
-    tests/gpu/test_connector_perhead.py tests/gpu/test_store_quant.py 2>&1 | tail -15 \
+  # -k applies to every file given: the connector and store files run without it
+  { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k "entry or dense"
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_connector_perhead.py \
+      tests/gpu/test_store_quant.py; } 2>&1 | grep -E "passed|failed|Error" \
     | tee "$OUT/perhead-kernels.log"
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graphs.py \
     -k "per_head or packs" > "$OUT/perhead-serve-graphs.log" 2>&1

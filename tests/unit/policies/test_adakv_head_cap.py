@@ -80,3 +80,22 @@ def test_per_head_pack_plans_once_and_fills_its_cells() -> None:
     counts = [int(k.numel()) for k in chosen[0]]
     assert timings["plans"] == 1
     assert sum(counts) == KEEP * H and max(counts) <= CAP and len(set(counts)) > 1
+
+
+def test_all_layers_ranked_at_once_equal_each_layer_ranked_alone() -> None:
+    """``layer_masks`` sorts every layer in one call; each layer's mask is the capped
+    reference of its own scores (three layers of different shapes of skew)."""
+    policy = make_policy("adakv", budget=KEEP)
+    gen = torch.Generator().manual_seed(5)
+    stacked = torch.stack(
+        [
+            skewed_scores(),
+            torch.rand(H, T, generator=gen, dtype=torch.float64),
+            skewed_scores().flip(0),
+        ]
+    )
+    masks = policy.layer_masks(stacked, inputs(CAP))
+    assert masks.shape == (3, H, T)
+    for layer in range(3):
+        assert torch.equal(masks[layer], capped_reference(stacked[layer]))
+        assert int(masks[layer].sum()) == KEEP * H
