@@ -81,6 +81,18 @@ def dense_rows(image: torch.Tensor, counts: torch.Tensor, block_size: int) -> li
     return [cells[s : s + int(c)] for s, c in zip(starts, counts.tolist(), strict=True)]
 
 
+def _cells_of(
+    rows: torch.Tensor, source: torch.Tensor, width: int, block_size: int
+) -> torch.Tensor:
+    """:func:`dense_image` of ``rows`` ``(H, T, D)`` whose kept rows, head after head, are
+    ``rows.reshape(H * T, D)[source]`` (``source`` on ``rows``' device)."""
+    heads, _, dim = rows.shape
+    cells = torch.zeros(width * heads, dim, dtype=rows.dtype, device=rows.device)
+    cells[: source.numel()] = rows.reshape(-1, dim)[source]
+    blocks = width // block_size
+    return cells.view(blocks, heads, block_size, dim).transpose(0, 1).reshape(heads, width, dim)
+
+
 def pack_per_head(
     kv_layers: Sequence[torch.Tensor],
     layout: PageLayout,
@@ -123,25 +135,31 @@ def pack_per_head(
         )
     if reserved >= num_tokens:
         raise ValueError(f"dense kept size {reserved} leaves no hole in {num_tokens} tokens")
-    for layer, (kv, heads) in enumerate(zip(kv_layers, kept, strict=True)):
+    # every layer's source rows, head after head, worked out on the host and sent up in
+    # one page-locked copy (a pageable copy per layer would wait for the device each time)
+    sources = []
+    for heads in kept:
+        for head, positions in enumerate(heads):
+            if bool((positions < 0).any()) or bool((positions >= num_tokens).any()):
+                raise ValueError(f"kept indices of head {head} leave [0, {num_tokens})")
+        sources.append(torch.cat([h * num_tokens + p.to(torch.int64) for h, p in enumerate(heads)]))
+    flat = torch.cat(sources)
+    device = kv_layers[0].device
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    offsets = [0, *torch.cumsum(counts.sum(dim=1, dtype=torch.int64), 0).tolist()]
+    for layer, kv in enumerate(kv_layers):
         if per_layer is None:
             keys, values = layout.read(kv, block_ids, 0, num_tokens)
         else:
             keys, values = per_layer[layer]
-        width = max(k.numel() for k in heads)
-        index = torch.zeros(len(heads), width, dtype=torch.int64)
-        for head, positions in enumerate(heads):
-            if bool((positions < 0).any()) or bool((positions >= num_tokens).any()):
-                raise ValueError(f"kept indices of head {head} leave [0, {num_tokens})")
-            index[head, : positions.numel()] = positions
-        gather = index.to(keys.device)[..., None].expand(-1, -1, keys.shape[-1])
-        rows_k, rows_v = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+        source = flat[offsets[layer] : offsets[layer + 1]]
         layout.write(
             kv,
             block_ids,
             0,
-            dense_image(rows_k, counts[layer], reserved, bs).to(keys.dtype),
-            dense_image(rows_v, counts[layer], reserved, bs).to(values.dtype),
+            _cells_of(keys, source, reserved, bs),
+            _cells_of(values, source, reserved, bs),
         )
     return counts, reserved
 
