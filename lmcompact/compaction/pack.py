@@ -104,12 +104,15 @@ def plan_pack(
     observed = needs & ~Need.WINDOW_QUERIES
     observations = []
     began = time.perf_counter()
+    positions: dict[torch.device, torch.Tensor] = {}  # one copy, not one wait per layer
     for index, (keys, values) in enumerate(per_layer):
         queries = None
         if window is not None:
             # window queries stay where they were captured; score where the keys are
             captured = window.per_layer[index].to(keys.device, torch.float32)
-            queries = Queries(captured.permute(1, 0, 2), window.positions.to(keys.device))
+            if keys.device not in positions:
+                positions[keys.device] = window.positions.to(keys.device)
+            queries = Queries(captured.permute(1, 0, 2), positions[keys.device])
         observations.append(
             layer_observation(
                 observed,
