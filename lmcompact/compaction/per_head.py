@@ -55,7 +55,7 @@ def dense_image(
         ``(H, width, D)``: slot ``s`` of head ``g`` holds cell ``(s // bs) * bs * H + g * bs +
         s % bs``; cells after the last head's rows are zero.
     """
-    heads, _, dim = rows.shape
+    heads = rows.shape[0]
     counts = counts.to(torch.int64).cpu()
     total = int(counts.sum())
     if width % block_size or total > width * heads:
@@ -65,10 +65,8 @@ def dense_image(
     starts = torch.cumsum(counts, 0) - counts
     owner = torch.repeat_interleave(torch.arange(heads), counts)
     within = torch.arange(total) - starts[owner]
-    cells = torch.zeros(width * heads, dim, dtype=rows.dtype, device=rows.device)
-    cells[:total] = rows[owner.to(rows.device), within.to(rows.device)]
-    blocks = width // block_size
-    return cells.view(blocks, heads, block_size, dim).transpose(0, 1).reshape(heads, width, dim)
+    source = owner * rows.shape[1] + within
+    return _cells_of(rows, source.to(rows.device), width, block_size)
 
 
 def dense_rows(image: torch.Tensor, counts: torch.Tensor, block_size: int) -> list[torch.Tensor]:
@@ -145,8 +143,7 @@ def pack_per_head(
         sources.append(torch.cat([h * num_tokens + p.to(torch.int64) for h, p in enumerate(heads)]))
     flat = torch.cat(sources)
     device = kv_layers[0].device
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+    flat = on_device(device, flat.pin_memory() if device.type == "cuda" else flat)
     offsets = [0, *torch.cumsum(counts.sum(dim=1, dtype=torch.int64), 0).tolist()]
     for layer, kv in enumerate(kv_layers):
         if per_layer is None:
