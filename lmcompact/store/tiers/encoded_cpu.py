@@ -157,9 +157,14 @@ class EncodedCPUTier(StorageTier):
             return 0
         ring = self._ring
         if ring is None or ring.slot_bytes < value_bytes:
-            ring = StagingRing(size_class(value_bytes), 2 * self._workers)
-            self._ring = ring
+            ring = self._new_ring(value_bytes)
         return ring.slots * ring.slot_bytes
+
+    def _new_ring(self, value_bytes: int) -> StagingRing:
+        """A ring for values of up to ``value_bytes``, two slots per verifying thread, in
+        place of the tier's current one."""
+        self._ring = StagingRing(size_class(value_bytes), 2 * self._workers)
+        return self._ring
 
     def _claim_ring(
         self, found: Sequence[bytes | None], device: torch.device | str | None
@@ -175,8 +180,7 @@ class EncodedCPUTier(StorageTier):
         if ring is None or ring.slot_bytes < largest:
             if ring is not None and not ring.begin():
                 return None  # in use: this get copies directly
-            ring = StagingRing(size_class(largest), 2 * self._workers)
-            self._ring = ring
+            ring = self._new_ring(largest)
         return ring if ring.begin() else None
 
     def _threaded(self, found: Sequence[bytes | None]) -> bool:
