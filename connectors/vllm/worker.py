@@ -70,6 +70,7 @@ from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, win
 from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
+from lmcompact.policies.adakv import AdaKV
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 from lmcompact.store.pinned_pool import PinnedBufferPool, size_class
 from lmcompact.store.quant import quantized_nbytes
@@ -1200,10 +1201,13 @@ class Worker:
         if (
             not layers
             or self._planner().prefill_mode is not PrefillMode.PACK
-            or self.perhead is not None
             or worker.layout.name != "token_major"
             or not kernels.use_kernels(layers[0].device)
-            or not DevicePacker.supports(self.pack_policy)
+            or not (
+                DevicePacker.supports_per_head(self.pack_policy)
+                if self.perhead is not None
+                else DevicePacker.supports(self.pack_policy)
+            )
         ):
             return
         if worker.sliding_layers:
@@ -1319,7 +1323,10 @@ class Worker:
             if self.device_packer is not None and (
                 window is not None or not bool(self.pack_policy.needs & SCORE_NEEDS)
             ):
-                self._device_pack(job, window, began)
+                if self.perhead is not None:
+                    self._device_pack_per_head(job, window, began)
+                else:
+                    self._device_pack(job, window, began)
                 continue
             if window is None and bool(self.pack_policy.needs & SCORE_NEEDS):
                 # the policy then falls back to its score-free choice: count it, never hide it
@@ -1379,6 +1386,36 @@ class Worker:
         self._pack_times.append((host, start, end))
         if self.pack_trace is not None:
             self.pack_trace.add(self._step_index, job.req_id, began, host, start, end)
+
+    def _device_pack_per_head(
+        self, job: wire.PackJob, window: WindowQueries | None, began: float
+    ) -> None:
+        """One per-head pack on the GPU. Its counts come back to the host (the per-head
+        tables are built there): one wait for the pack, none per layer."""
+        assert self.device_packer is not None and self.perhead is not None
+        assert isinstance(self.pack_policy, AdaKV)  # DevicePacker.supports_per_head
+        if job.start:
+            raise ValueError("per-head counts pack from token 0 only")
+        queries = None
+        if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
+            queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
+        counts = self.device_packer.pack_per_head(
+            job.block_ids,
+            job.num_tokens,
+            job.kept,
+            job.reserved,
+            self._planner().head_cap(job.kept, job.num_tokens),
+            self.pack_policy,
+            queries,
+            None if window is None else window.positions,
+        ).cpu()
+        self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
+        seconds = time.perf_counter() - began
+        self._done(job, seconds)
+        self.pack_stats["device_packs"] += 1
+        self._pack_times.append((seconds, None, None))
+        if self.pack_trace is not None:
+            self.pack_trace.add(self._step_index, job.req_id, began, seconds, None, None)
 
     def _done(
         self,

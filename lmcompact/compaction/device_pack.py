@@ -23,6 +23,11 @@ goes back to torch's caching allocator, which reuses it only in stream order too
 
 Policies with a device scorer: ``snapkv``, ``streaming_llm``, ``knorm``
 (:data:`DEVICE_SCORERS`); others take the reference path.
+
+Per-head counts (Ada-KV over a device scorer, :meth:`DevicePacker.pack_per_head`) take the
+same gather and scores; Ada-KV ranks every layer's ``(H x T)`` pairs at once, and
+:func:`write_cells` lays the chosen pairs out as dense cells (head after head, see
+:mod:`lmcompact.compaction.per_head`), the reference's layout.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ import torch
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.save_job import SCORE_NEEDS
 from lmcompact.kernels import dispatch as kernels
-from lmcompact.policies import CompactionPolicy
+from lmcompact.policies import CompactionInputs, CompactionPolicy
 from lmcompact.policies._select import pool_scores
+from lmcompact.policies.adakv import AdaKV
 from lmcompact.policies.base import descending_order
 
 logger = logging.getLogger(__name__)
@@ -101,6 +107,42 @@ def select_kept(scores: torch.Tensor, kept: int) -> torch.Tensor:
     return order[:, :kept].sort(dim=-1).values.view(layers, heads, kept)
 
 
+def write_cells(
+    kv_layers: Sequence[torch.Tensor],
+    row: torch.Tensor,
+    pages: torch.Tensor,
+    chosen: torch.Tensor,
+    reserved: int,
+) -> None:
+    """Write each layer's chosen ``(head, token)`` pairs as dense cells of slots
+    ``[0, reserved)``; the layer's cells after them are zeroed.
+
+    Args:
+        kv_layers: per layer ``(num_blocks, H, bs, 2D)`` paged caches (written).
+        row: the request's physical block ids (at least ``reserved / bs``), on their device.
+        pages: ``(L, T, H, 2D)`` copy of the span (:func:`gather_pages`; not the caches).
+        chosen: ``(L, N)`` int64 ascending flat pairs ``head * T + token`` (head after head,
+            tokens in order: cell ``j`` of layer ``l`` is pair ``chosen[l, j]``).
+        reserved: slots of the cells (whole blocks, ``N <= reserved x H``).
+    """
+    layers, length, heads, width = pages.shape
+    bs = kv_layers[0].shape[2]
+    cells = reserved * heads
+    if reserved % bs or chosen.shape[1] > cells or chosen.shape[0] != layers:
+        raise ValueError(
+            f"{tuple(chosen.shape)} pairs do not fit {layers} layers of {reserved} "
+            f"block-aligned slots x {heads} heads"
+        )
+    blocks = row[: reserved // bs].to(kv_layers[0].device, torch.int64)
+    token, head = chosen % length, chosen // length
+    image = torch.empty(cells, width, dtype=pages.dtype, device=pages.device)
+    for layer, kv in enumerate(kv_layers):
+        image.zero_()
+        image[: chosen.shape[1]] = pages[layer, token[layer], head[layer]]
+        # cell (block b, head g, slot s) is b * bs * H + g * bs + s: the page order itself
+        kv[blocks] = image.view(reserved // bs, heads, bs, width)
+
+
 class DevicePacker:
     """Packs requests of one engine on the GPU; built once the KV caches are registered.
 
@@ -160,31 +202,113 @@ class DevicePacker:
         Returns:
             ``(L, H, kept)`` int64 kept token indices, on the device.
         """
-        from lmcompact.kernels.paged_pack import gather_pages, scatter_kept
+        from lmcompact.kernels.paged_pack import scatter_kept
 
+        row, pages, keys = self._read(block_ids, num_tokens)
+        mass = self._mass(policy, keys, queries, positions)
+        index = select_kept(device_scores(policy, mass, keys, kept), kept)
+        scatter_kept(self.kv_layers, self.ptrs, row, pages, index)
+        return index
+
+    @staticmethod
+    def supports_per_head(policy: CompactionPolicy) -> bool:
+        """Ada-KV over a device scorer, with a safeguard (every head keeps >= 1 token)."""
+        return (
+            isinstance(policy, AdaKV)
+            and policy.inner.name in DEVICE_SCORERS
+            and policy.alpha_safeguard > 0
+        )
+
+    def pack_per_head(
+        self,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        kept: int,
+        reserved: int,
+        head_cap: int | None,
+        policy: AdaKV,
+        queries: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Pack each (layer, head)'s own kept tokens of ``[0, num_tokens)`` as dense cells of
+        slots ``[0, reserved)``, what :func:`lmcompact.compaction.pack.pack_in_place` with
+        ``reserved`` does.
+
+        Args:
+            block_ids, num_tokens, queries, positions: as for :meth:`pack`.
+            kept: mean tokens per (layer, head) (whole blocks).
+            reserved: slots of a layer's cells (whole blocks, ``kept <= reserved <
+                num_tokens``).
+            head_cap: most tokens one (layer, head) keeps; None: ``reserved``.
+            policy: Ada-KV (:meth:`supports_per_head`).
+
+        Returns:
+            ``(L, H)`` int64 kept counts, on the device.
+        """
         bs = self.block_size
-        nb = num_tokens // bs
+        if reserved % bs or not 0 < kept <= reserved < num_tokens:
+            raise ValueError(
+                f"per-head pack needs block-aligned 0 < kept <= reserved < num_tokens, got "
+                f"kept={kept}, reserved={reserved}, num_tokens={num_tokens}"
+            )
+        if self.fp8 is not None:
+            raise ValueError("per-head counts are not supported on fp8 caches")
+        row, pages, keys = self._read(block_ids, num_tokens)
+        mass = self._mass(policy, keys, queries, positions)
+        scores = device_scores(policy.inner, mass, keys, kept)
+        layers, heads, length = scores.shape
+        inputs = CompactionInputs(
+            length,
+            heads,
+            [],
+            budget_tokens=kept,
+            max_tokens=reserved if head_cap is None else head_cap,
+            max_layer_tokens=reserved * heads,
+        )
+        chosen = policy.layer_choices(scores, inputs).sort(dim=1).values
+        write_cells(self.kv_layers, row, pages, chosen, reserved)
+        counts = torch.zeros(layers, heads, dtype=torch.int64, device=self.device)
+        return counts.scatter_add_(1, chosen // length, torch.ones_like(chosen))
+
+    def _read(
+        self, block_ids: Sequence[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The request's block row on the device, the ``(L, T, H, 2D)`` copy of its span and
+        the ``(L, H, T, D)`` keys the scores read."""
+        from lmcompact.kernels.paged_pack import gather_pages, gather_pages_reference
+
+        nb = num_tokens // self.block_size
         row = torch.tensor(list(block_ids[:nb]), dtype=torch.int64)
         row = row.to(self.device, non_blocking=True)
-        pages = gather_pages(self.kv_layers, self.ptrs, row)  # (L, T, H, 2D)
+        if kernels.use_kernels(self.device):
+            pages = gather_pages(self.kv_layers, self.ptrs, row)  # (L, T, H, 2D)
+        else:  # the torch reference: the same pack on the CPU
+            pages = gather_pages_reference(self.kv_layers, row)
         d = pages.shape[-1] // 2
         keys = pages[..., :d].permute(0, 2, 1, 3)  # (L, H, T, D) view, head_dim contiguous
         if self.fp8 is not None:
             keys = self.fp8.stacked_keys(keys).to(self.score_dtype).contiguous()
-        mass = None
-        if policy.needs & SCORE_NEEDS:
-            if queries is None or positions is None:
-                raise ValueError(f"{policy.name} needs window queries for a device pack")
-            q = queries.to(self.device, keys.dtype, non_blocking=True).contiguous()
-            mass = kernels.window_scores(
-                q,
-                keys,
-                query_positions=positions.to(self.device, non_blocking=True),
-                scale=self.scale,
-            )
-        index = select_kept(device_scores(policy, mass, keys, kept), kept)
-        scatter_kept(self.kv_layers, self.ptrs, row, pages, index)
-        return index
+        return row, pages, keys
+
+    def _mass(
+        self,
+        policy: CompactionPolicy,
+        keys: torch.Tensor,
+        queries: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """``(L, H, T)`` window attention mass, or None for a policy that reads no scores."""
+        if not policy.needs & SCORE_NEEDS:
+            return None
+        if queries is None or positions is None:
+            raise ValueError(f"{policy.name} needs window queries for a device pack")
+        q = queries.to(self.device, keys.dtype, non_blocking=True).contiguous()
+        return kernels.window_scores(
+            q,
+            keys,
+            query_positions=positions.to(self.device, non_blocking=True),
+            scale=self.scale,
+        )
 
     def warm_up(
         self,
@@ -228,7 +352,11 @@ class DevicePacker:
                 ).to(self.score_dtype)
                 positions = torch.arange(tokens - window, tokens, device=self.device)
             began = time.perf_counter()
-            self.pack(range(1, tokens // bs + 1), tokens, kept, policy, queries, positions)
+            row = range(1, tokens // bs + 1)
+            if isinstance(policy, AdaKV):  # the per-head path, cells as wide as the mean
+                self.pack_per_head(row, tokens, kept, kept, None, policy, queries, positions)
+            else:
+                self.pack(row, tokens, kept, policy, queries, positions)
             torch.cuda.synchronize(self.device)
             done.append((tokens, time.perf_counter() - began))
         logger.info("device pack warm-up (tokens, s): %s", done)

@@ -85,16 +85,25 @@ class AdaKV(CompactionPolicy):
         return self.layer_masks(scores[None], inputs)[0]
 
     def layer_masks(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
-        """``(L, H, T)`` bool keep masks from every layer's ``(L, H, T)`` scores at once.
+        """``(L, H, T)`` bool keep masks from every layer's ``(L, H, T)`` scores at once."""
+        layers, heads, length = scores.shape
+        chosen = self.layer_choices(scores, inputs)
+        mask = torch.zeros(layers, heads * length, dtype=torch.bool, device=scores.device)
+        mask.scatter_(1, chosen, True)
+        return mask.view(layers, heads, length)
+
+    def layer_choices(self, scores: torch.Tensor, inputs: CompactionInputs) -> torch.Tensor:
+        """``(L, N)`` kept pairs of every layer from its ``(L, H, T)`` scores: flat indices
+        ``head * T + token``, best first. ``N`` (the same for every layer) is known on the
+        host before anything is ranked.
 
         Ranked where the scores are, all layers in each sort (a GPU pack does not sort on
-        the host, nor wait for the device once per layer); each layer's mask is the one
+        the host, nor wait for the device once per layer); each layer's choice is the one
         its own ranking gives."""
         keep = self.keep_count(inputs)
         device = scores.device
         layers, heads, length = scores.shape
         valid_heads = inputs.valid_or_all()
-        available = [int(n) for n in valid_heads.sum(dim=-1).tolist()]
         valid = valid_heads.to(device).expand(layers, heads, length).reshape(-1, length)
         ranked = scores.detach().double().reshape(layers * heads, length)
         if inputs.max_tokens is not None:
@@ -102,19 +111,24 @@ class AdaKV(CompactionPolicy):
             # goes to the next best pairs of the other heads (a capped top-k, in one pass)
             cap = min(inputs.max_tokens, length)
             valid = valid & topk_mask_here(ranked, cap, valid)
-            available = [min(cap, n) for n in available]
         safeguard = topk_mask_here(ranked, math.ceil(self.alpha_safeguard * keep), valid)
         # every layer has the same valid pairs, so the same total
-        total = min(keep * heads, sum(available))
-        if inputs.max_tokens is not None and inputs.max_layer_tokens is not None:
-            total = min(total, inputs.max_layer_tokens)
+        total = self.layer_total(inputs)
         # One ranking per layer over its flattened (H x T) pairs: safeguards first, then by
         # score; invalid slots last (never reached, total <= valid slots).
         ranked = ranked.masked_fill(safeguard, float("inf")).reshape(layers, heads * length)
-        chosen = descending_order(ranked, valid.reshape(layers, heads * length))[:, :total]
-        mask = torch.zeros(layers, heads * length, dtype=torch.bool, device=device)
-        mask.scatter_(1, chosen, True)
-        return mask.view(layers, heads, length)
+        return descending_order(ranked, valid.reshape(layers, heads * length))[:, :total]
+
+    def layer_total(self, inputs: CompactionInputs) -> int:
+        """Pairs every layer keeps: ``k x H``, at most the valid (capped) candidates and
+        ``max_layer_tokens``."""
+        available = inputs.valid_or_all().sum(dim=-1)
+        if inputs.max_tokens is not None:
+            available = available.clamp(max=min(inputs.max_tokens, inputs.num_candidates))
+        total = min(self.keep_count(inputs) * inputs.num_kv_heads, int(available.sum()))
+        if inputs.max_tokens is not None and inputs.max_layer_tokens is not None:
+            total = min(total, inputs.max_layer_tokens)
+        return total
 
     def plan(self, inputs: CompactionInputs) -> KeepPlan:
         self.check_inputs(inputs)

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcompact.compaction.device_pack import DEVICE_SCORERS, device_scores, select_kept
+from lmcompact.compaction.device_pack import (
+    DEVICE_SCORERS,
+    DevicePacker,
+    device_scores,
+    select_kept,
+)
+from lmcompact.compaction.pack import WindowQueries, pack_in_place
+from lmcompact.compaction.page_layout import make_layout
 from lmcompact.policies import CompactionInputs, LayerObservation, make_policy
+from lmcompact.policies.adakv import AdaKV
 
 CASES = [
     ("snapkv", {}),
@@ -45,3 +53,63 @@ def test_batched_selection_equals_policy_plan(name: str, params: dict[str, objec
 
 def test_scorers_cover_the_benchmark_policies() -> None:
     assert {"snapkv", "streaming_llm", "knorm"} <= set(DEVICE_SCORERS)
+
+
+@pytest.mark.parametrize("head_cap", [None, 48])
+def test_per_head_device_pack_equals_reference_pack(head_cap: int | None) -> None:
+    """Ada-KV's batched per-head pack writes the cells and counts the reference pack
+    (:func:`lmcompact.compaction.pack.pack_in_place` with ``reserved``) writes."""
+    layers_n, heads, group, dim, bs, window, tokens = 3, 4, 2, 16, 8, 8, 128
+    layout = make_layout("token_major", bs)
+    gen = torch.Generator().manual_seed(3)
+    kv = [
+        torch.randn(tokens // bs + 3, bs, heads, 2 * dim, generator=gen).permute(0, 2, 1, 3)
+        for _ in range(layers_n)
+    ]
+    ref = [k.clone() for k in kv]
+    row = list(range(2, 2 + tokens // bs))
+    queries = [torch.randn(window, heads * group, dim, generator=gen) for _ in range(layers_n)]
+    positions = torch.arange(tokens - window, tokens)
+    policy = make_policy("adakv", scorer_params={"window_size": 4})
+    assert isinstance(policy, AdaKV) and DevicePacker.supports_per_head(policy)
+    kept, reserved = 32, 48
+    chosen = pack_in_place(
+        ref,
+        layout,
+        row,
+        tokens,
+        kept,
+        policy,
+        WindowQueries(queries, positions, dim**-0.5),
+        reserved=reserved,
+        head_cap=head_cap,
+    )
+    packer = DevicePacker(kv, bs, dim**-0.5)
+    counts = packer.pack_per_head(
+        row,
+        tokens,
+        kept,
+        reserved,
+        head_cap,
+        policy,
+        torch.stack(queries).permute(0, 2, 1, 3),
+        positions,
+    )
+    want = torch.tensor([[k.numel() for k in layer] for layer in chosen])
+    assert torch.equal(counts, want)
+    assert int(counts.max()) <= (reserved if head_cap is None else head_cap)
+    assert len(set(counts.sum(dim=1).tolist())) == 1  # every layer keeps k x H
+    for got, expected in zip(kv, ref, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_per_head_device_pack_refuses_what_it_cannot_pack() -> None:
+    kv = [torch.zeros(6, 2, 8, 16) for _ in range(2)]
+    packer = DevicePacker(kv, 8, 0.25)
+    policy = make_policy("adakv")
+    assert isinstance(policy, AdaKV)
+    with pytest.raises(ValueError, match="block-aligned"):
+        packer.pack_per_head(range(1, 5), 32, 8, 32, None, policy, None, None)
+    assert not DevicePacker.supports_per_head(make_policy("adakv", alpha_safeguard=0.0))
+    assert not DevicePacker.supports_per_head(make_policy("adakv", scorer="tova"))
+    assert not DevicePacker.supports_per_head(make_policy("snapkv"))
