@@ -20,6 +20,7 @@ case "$1" in
 tests)
   # -k applies to every file given: the connector and store files run without it
   { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k "entry or dense"
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_pack.py -k per_head
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_connector_perhead.py \
       tests/gpu/test_store_quant.py; } 2>&1 | grep -E "passed|failed|Error" \
     | tee "$OUT/perhead-kernels.log"
