@@ -8,6 +8,7 @@
 #   bash scripts/gpu/perhead_h200.sh connector-store    # bench connector, 16k, 8B shape: kvzip
 #   bash scripts/gpu/perhead_h200.sh connector-inplace  #   head vs ragged; SnapKV vs Ada-KV packs
 #   bash scripts/gpu/perhead_h200.sh inplace-default    # SnapKV vs Ada-KV packs + the default hit
+#   bash scripts/gpu/perhead_h200.sh pairs      # kvzip head/ragged/ragged int8, SnapKV/Ada-KV
 #   bash scripts/gpu/perhead_h200.sh serve      # bench serve 24 x (16k + 1024), Ada-KV vs SnapKV
 #   bash scripts/gpu/perhead_h200.sh profile    # one hit of each kind under cProfile: kvzip
 #                                               #   ragged, the default store, Ada-KV in place
@@ -57,6 +58,17 @@ inplace-default)  # the in-place pair and the default store's hit, one run
     --json "$OUT/perhead-h200-bench-inplace-default.json" > "$OUT/perhead-bench-inplace-default.log" 2>&1
   tail -30 "$OUT/perhead-bench-inplace-default.log"
   ;;
+pairs)  # every per-head row beside its uniform row, one run: the figures of perhead-h200.json
+  python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
+    --decode-tokens 64 --configs "{
+ \"kvzip_head\": {$KVZIP, \"policy_params\": {\"allocation\": \"head\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\"}},
+ \"kvzip_ragged\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}}},
+ \"kvzip_ragged_int8\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}, \"quantize\": \"int8\"}},
+ \"snapkv_inplace\": {\"policy\": \"snapkv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\"}},
+ \"adakv_inplace\": {\"policy\": \"adakv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\", \"per_head\": {\"slack\": 1.5}}}}" \
+    --json "$OUT/perhead-h200-bench-pairs.json" > "$OUT/perhead-bench-pairs.log" 2>&1
+  tail -30 "$OUT/perhead-bench-pairs.log"
+  ;;
 profile)  # where a hit's time goes (the host functions with the most cumulative time)
   python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
     --decode-tokens 64 --profile --configs "{
@@ -72,5 +84,5 @@ serve)
     --requests 24 --pool-requests 6 --budgets 0.25 --cuda-graphs full --per-head-policy adakv \
     --json "$OUT/perhead-serve-h200.json" 2>&1 | tail -30
   ;;
-*) echo "stage: tests | plans | connector-store | connector-inplace | inplace-default | profile | serve"; exit 2 ;;
+*) echo "stage: tests | plans | pairs | connector-store | connector-inplace | inplace-default | profile | serve"; exit 2 ;;
 esac
