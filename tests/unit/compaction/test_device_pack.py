@@ -56,7 +56,13 @@ def test_scorers_cover_the_benchmark_policies() -> None:
 
 
 @pytest.mark.parametrize("head_cap", [None, 48])
-def test_per_head_device_pack_equals_reference_pack(head_cap: int | None) -> None:
+@pytest.mark.parametrize(
+    "scorer",
+    [("snapkv", {"window_size": 4}), ("streaming_llm", {"n_sink": 2}), ("knorm", {})],
+)
+def test_per_head_device_pack_equals_reference_pack(
+    head_cap: int | None, scorer: tuple[str, dict[str, object]]
+) -> None:
     """Ada-KV's batched per-head pack writes the cells and counts the reference pack
     (:func:`lmcompact.compaction.pack.pack_in_place` with ``reserved``) writes."""
     layers_n, heads, group, dim, bs, window, tokens = 3, 4, 2, 16, 8, 8, 128
@@ -70,7 +76,7 @@ def test_per_head_device_pack_equals_reference_pack(head_cap: int | None) -> Non
     row = list(range(2, 2 + tokens // bs))
     queries = [torch.randn(window, heads * group, dim, generator=gen) for _ in range(layers_n)]
     positions = torch.arange(tokens - window, tokens)
-    policy = make_policy("adakv", scorer_params={"window_size": 4})
+    policy = make_policy("adakv", scorer=scorer[0], scorer_params=scorer[1])
     assert isinstance(policy, AdaKV) and DevicePacker.supports_per_head(policy)
     kept, reserved = 32, 48
     chosen = pack_in_place(
