@@ -412,11 +412,12 @@ class StoreOptions:
             count per (layer, head) (kvzip's ``allocation`` ``"ragged"``, Ada-KV, PyramidKV,
             DuoAttention), each at most ``ceil(K x s)`` of a chunk's C tokens (whole blocks,
             below C), K per (layer, head) on average, and each layer's heads together at most
-            ``R x H`` with ``R = ceil(K x r)`` (whole blocks). The store holds the ragged rows
-            (bytes at the budget); a load lays each layer's heads out as dense cells of ``n x
-            R`` slots (:mod:`lmcompact.compaction.per_head`), attended per head by the
-            connector (:mod:`lmcompact.compaction.per_head_attention`), so a loaded request
-            holds ``R / C`` of its prefix's blocks (``K / C`` at r = 1). None: one count K.
+            ``R x H`` with ``R = floor(K x r)``. The store holds the ragged rows (bytes at the
+            budget); a load of n chunks lays each layer's heads out as dense cells of ``n x R``
+            slots rounded up to whole blocks (:mod:`lmcompact.compaction.per_head`), attended
+            per head by the connector (:mod:`lmcompact.compaction.per_head_attention`), so a
+            loaded request holds about ``R / C`` of its prefix's blocks (``K / C`` at r = 1).
+            None: one count K.
         quantize: ``"int8"`` or ``"fp8"`` (float8 e4m3fn): stored rows (one token of one
             (layer, head)) are quantized with one float16 scale per 64 channels
             (:mod:`lmcompact.store.quant`). Redis values take about half the bytes of bf16
@@ -785,10 +786,17 @@ class ConnectorConfig:
 
     def slots_per_chunk(self, block_size: int) -> int:
         """Slots one loaded chunk takes in a request's block row: K, or with
-        ``store.per_head`` ``ceil(K x layer_slack)`` in whole blocks (a chunk's layer keeps at
-        most that many cells per head, :func:`lmcompact.layout.paged.dense_cells`), at most
-        ``C - 1`` block (a chunk must leave a hole)."""
-        return self._per_head_slots(block_size, self.store.per_head_layer_slack())
+        ``store.per_head`` ``floor(K x layer_slack)`` (a chunk's layer keeps at most that many
+        cells per head, :func:`lmcompact.layout.paged.dense_cells`), at most ``C - 1`` block
+        (a chunk must leave a hole). Not block aligned with per-head counts: a load of ``n``
+        chunks rounds ``n x slots`` up to whole blocks once (:func:`load_width`), so the
+        layer slack is not rounded up to a block per chunk."""
+        kept = self.kept_per_chunk(block_size)
+        slack = self.store.per_head_layer_slack()
+        if slack is None or not self.store_compacts:
+            return kept
+        rows = math.floor(kept * slack + 1e-9)
+        return max(kept, min(rows, self.store.chunk_size - block_size))
 
     def head_cap_per_chunk(self, block_size: int) -> int | None:
         """Most tokens one (layer, head) keeps of a stored chunk with ``store.per_head``:
@@ -803,6 +811,12 @@ class ConnectorConfig:
         chunk = self.store.chunk_size
         blocks = -(-math.ceil(kept * slack - 1e-9) // block_size)
         return max(kept, min(blocks * block_size, chunk - block_size))
+
+
+def load_width(count: int, slots: int, block_size: int) -> int:
+    """Slots a load of ``count`` chunks of ``slots`` each takes in a block row, in whole
+    blocks (the load's hole starts there)."""
+    return -(-count * slots // block_size) * block_size
 
 
 def resolve_auto(

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.vllm import step_trace
+from connectors.vllm.config import load_width
 from connectors.vllm.disaggregation import (
     KV_CONSUMER,
     KV_PRODUCER,
@@ -628,12 +629,13 @@ class Scheduler:
         self.stats["hit_chunks"] += count
         tracked.loaded_end = start + count * c
         tracked.load_start = start
-        hole_tokens = count * (c - self.slots)
+        width = load_width(count, self.slots, bs)
+        hole_tokens = count * c - width
         logger.info(
             "loading %s from the store: %d prefix tokens as %d %s per (layer, head)%s",
             sched.req_id,
             count * c,
-            count * self.slots,
+            width,
             "slots (per-head counts, dense cells)" if self.config.store.per_head else "kept",
             " (compacted)" if hole_tokens else "",
         )
@@ -641,7 +643,7 @@ class Scheduler:
             # the release group gives its blocks back once the worker confirmed the load
             tracked.hole = HoleState(
                 first_block=tracked.block_ids[0],
-                start=(start + count * self.slots) // bs,
+                start=(start + width) // bs,
                 length=hole_tokens // bs,
                 visible_from=self.states.step,
                 owned=False,

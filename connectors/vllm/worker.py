@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from connectors.vllm import metadata as wire
-from connectors.vllm.config import RELEASE_KEY, ReleaseOptions
+from connectors.vllm.config import RELEASE_KEY, ReleaseOptions, load_width
 from connectors.vllm.kv_dtype import refuse_fp8_scales
 from connectors.vllm.patches import attention as attention_patch
 from connectors.vllm.patches import engine
@@ -871,7 +871,7 @@ class Worker:
         assert self.perhead is not None
         device = next(iter(self.kv_caches.values())).device
         block_ids = torch.as_tensor(load.block_ids, dtype=torch.int64, device=device)
-        width = len(chunks) * self.slots
+        width = load_width(len(chunks), self.slots, self.facts.block_size)
         first = chunks[0]
         layer_bytes = (  # cell_images' copied rows and cells: at most width x H of each
             2

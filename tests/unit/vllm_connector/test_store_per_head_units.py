@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.config import ConnectorConfig, load_width
 from lmcompact.eval.vllm_cells import VllmEvalConfig, connector_extra, policy_label
 
 RAGGED = {"allocation": "ragged", "share": False, "kernel_size": 1}
@@ -25,7 +25,8 @@ def test_slots_per_chunk_is_the_layer_cap_and_the_head_cap_the_slack() -> None:
     assert _config(chunk_size=256, per_head={"slack": 2}).slots_per_chunk(32) == 64
     assert _config(chunk_size=256, per_head={}).slots_per_chunk(32) == 64
     layered = _config(chunk_size=256, per_head={"slack": 2, "layer_slack": 1.2})
-    assert layered.slots_per_chunk(32) == 96  # ceil(76.8) in whole blocks
+    assert layered.slots_per_chunk(32) == 76  # floor(76.8): a load rounds n x 76 up once
+    assert [load_width(n, 76, 32) for n in (1, 2, 8)] == [96, 160, 608]
     # one head keeps at most K x slack of a chunk, in whole blocks
     assert _config(chunk_size=256, per_head={"slack": 2}).head_cap_per_chunk(32) == 128
     assert _config(chunk_size=256, per_head={"slack": 1.2}).head_cap_per_chunk(32) == 96
