@@ -1355,11 +1355,9 @@ class Worker:
             if self.perhead is not None:
                 counts = torch.tensor([[int(k.numel()) for k in heads] for heads in chosen])
                 self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
-            self._done(job, time.perf_counter() - began, timings=timings)
-            self._pack_times.append((time.perf_counter() - began, None, None))
-            if self.pack_trace is not None:
-                host = time.perf_counter() - began
-                self.pack_trace.add(self._step_index, job.req_id, began, host, None, None)
+            host = time.perf_counter() - began
+            self._done(job, host, timings=timings)
+            self._timed(job, began, host)
 
     def _device_pack(self, job: wire.PackJob, window: WindowQueries | None, began: float) -> None:
         """One pack on the GPU, timed by CUDA events (read later, no sync here)."""
@@ -1367,25 +1365,20 @@ class Worker:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        queries = None
-        if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
-            queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
         first = job.start // self.facts.block_size  # shared blocks stay as they are
         self.device_packer.pack(
             job.block_ids[first:],
             job.num_tokens,
             job.kept,
             self.pack_policy,
-            queries,
+            _packer_queries(window),
             None if window is None else window.positions - job.start,
         )
         end.record()
         host = time.perf_counter() - began
         self._done(job, host, on_device=True)  # launched: later kernels on the stream see it
         self.pack_stats["device_packs"] += 1
-        self._pack_times.append((host, start, end))
-        if self.pack_trace is not None:
-            self.pack_trace.add(self._step_index, job.req_id, began, host, start, end)
+        self._timed(job, began, host, start, end)
 
     def _device_pack_per_head(
         self, job: wire.PackJob, window: WindowQueries | None, began: float
@@ -1396,9 +1389,6 @@ class Worker:
         assert isinstance(self.pack_policy, AdaKV)  # DevicePacker.supports_per_head
         if job.start:
             raise ValueError("per-head counts pack from token 0 only")
-        queries = None
-        if window is not None:  # (L, W, Hq, D) -> (L, Hq, W, D)
-            queries = torch.stack(window.per_layer).permute(0, 2, 1, 3)
         counts = self.device_packer.pack_per_head(
             job.block_ids,
             job.num_tokens,
@@ -1406,16 +1396,27 @@ class Worker:
             job.reserved,
             self._planner().head_cap(job.kept, job.num_tokens),
             self.pack_policy,
-            queries,
+            _packer_queries(window),
             None if window is None else window.positions,
         ).cpu()
         self.perhead.add(job.req_id, job.block_ids[0], counts, job.reserved)
-        seconds = time.perf_counter() - began
-        self._done(job, seconds)
+        host = time.perf_counter() - began
+        self._done(job, host)
         self.pack_stats["device_packs"] += 1
-        self._pack_times.append((seconds, None, None))
+        self._timed(job, began, host)
+
+    def _timed(
+        self,
+        job: wire.PackJob,
+        began: float,
+        host: float,
+        start: torch.cuda.Event | None = None,
+        end: torch.cuda.Event | None = None,
+    ) -> None:
+        """Record a pack's host seconds (and its CUDA events, for a launched pack)."""
+        self._pack_times.append((host, start, end))
         if self.pack_trace is not None:
-            self.pack_trace.add(self._step_index, job.req_id, began, seconds, None, None)
+            self.pack_trace.add(self._step_index, job.req_id, began, host, start, end)
 
     def _done(
         self,
@@ -1482,3 +1483,10 @@ class Worker:
         if self.config.release is None:
             raise RuntimeError('release-group call without the "release" group')
         return self.config.release
+
+
+def _packer_queries(window: WindowQueries | None) -> torch.Tensor | None:
+    """The device packer's ``(L, Hq, W, D)`` window queries from per-layer ``(W, Hq, D)``."""
+    if window is None:
+        return None
+    return torch.stack(window.per_layer).permute(0, 2, 1, 3)
