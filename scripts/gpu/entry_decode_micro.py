@@ -1,0 +1,166 @@
+"""Device machine: where a per-head request's decode step goes, one layer at a time.
+
+Times (CUDA graph of 32 launches, the 8B shape's layer count, replayed; ms per launch):
+- vLLM's FlashAttention over a uniform request's 0.25 prefix + tail (what a one-count
+  request pays per layer), and over one block (what vLLM's kernel pays for a per-head row);
+- the per-head launch (:func:`lmcompact.kernels.entry_attention.attend_entries`) over the
+  same total cells laid out uniformly and ragged (largest head 3x the mean, as kvzip's
+  ``per_head.slack`` 3 allows), at several key-split counts.
+
+    python scripts/gpu/entry_decode_micro.py --json $OUT/entry-decode-micro.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from lmcompact.kernels.entry_attention import EntryLengths, attend_entries, entry_splits
+from lmcompact.kernels.synthetic import densify, random_paged_case
+
+HKV, GROUP, D, BS, LAYERS = 8, 4, 128, 16, 32
+PREFIX, TAIL, BASE = 16384, 64, 64
+KEPT = PREFIX // 4
+SHAPES = {
+    "uniform": [KEPT] * HKV,
+    "ragged_3x": [
+        3 * KEPT,
+        3 * KEPT // 2,
+        KEPT,
+        KEPT // 2,
+        KEPT // 2,
+        KEPT // 2,
+        KEPT // 2,
+        KEPT // 2,
+    ],
+}
+
+
+def graph_ms(launch: Callable[[], None], repeats: int = 50) -> float:
+    """Mean ms of one ``launch`` replayed from a graph of ``LAYERS`` launches."""
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            launch()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (repeats * LAYERS)
+
+
+def flash_ms(keys: int, tail: int) -> float:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    case = random_paged_case(
+        [[keys] * HKV],
+        [keys],
+        [tail],
+        [1],
+        group=GROUP,
+        head_dim=D,
+        block_size=BS,
+        dtype=torch.bfloat16,
+        device="cuda",
+        poison=False,
+    )
+    queries, key_pool, value_pool, table, cu_q, lengths = case.attention_args()
+    out = torch.empty_like(queries)
+    seq = lengths.seq_len.to(torch.int32)
+
+    def launch() -> None:
+        flash_attn_varlen_func(
+            queries,
+            key_pool,
+            value_pool,
+            max_seqlen_q=1,
+            cu_seqlens_q=cu_q.to(torch.int32),
+            max_seqlen_k=int(seq.max()),
+            seqused_k=seq,
+            softmax_scale=D**-0.5,
+            causal=True,
+            block_table=table.to(torch.int32),
+            out=out,
+            fa_version=3,
+        )
+
+    return graph_ms(launch)
+
+
+def entry_ms(kept: list[int], splits: int) -> float:
+    case = random_paged_case(
+        [kept],
+        [PREFIX],
+        [TAIL],
+        [1],
+        group=GROUP,
+        head_dim=D,
+        block_size=BS,
+        dtype=torch.bfloat16,
+        device="cuda",
+        poison=False,
+    )
+    dense = densify(case, BASE, shrink=True)
+    queries, key_pool, value_pool, table, cu_q, lengths = dense.attention_args()
+    assert lengths.dense_start is not None and lengths.dense_base is not None
+    entries = torch.full((key_pool.shape[0],), -1, dtype=torch.int32, device="cuda")
+    entries[int(table[0, 0])] = 0
+    tables = EntryLengths(
+        entries,
+        lengths.kept.to(torch.int32),
+        lengths.dense_start.to(torch.int32),
+        lengths.tail_start.to(torch.int32),
+        lengths.dense_base.to(torch.int32),
+    )
+    out = torch.empty_like(queries)
+
+    def launch() -> None:
+        attend_entries(
+            queries,
+            key_pool,
+            value_pool,
+            table,
+            cu_q,
+            lengths.seq_len,
+            tables,
+            out,
+            scale=D**-0.5,
+            num_reqs=1,
+            max_q_len=1,
+            num_splits=splits,
+        )
+
+    return graph_ms(launch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows: dict[str, float] = {
+        "flash_uniform_prefix": flash_ms(KEPT, TAIL),
+        "flash_one_block": flash_ms(0, BS),
+    }
+    default = entry_splits(1, 1, HKV, HKV * GROUP, D, 1, 3 * KEPT + TAIL, device)
+    rows["default_splits"] = default
+    for name, kept in SHAPES.items():
+        for splits in sorted({4, 8, 16, 32, 64, default}):
+            rows[f"entry_{name}_s{splits}"] = entry_ms(kept, splits)
+    print(json.dumps(rows, indent=1))
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "ms_per_launch": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
