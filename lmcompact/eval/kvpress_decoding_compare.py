@@ -140,10 +140,12 @@ def run_ours(
     budget: int | None,
     interval: int,
     new_tokens: int,
+    prompt_whole: bool = False,
 ) -> list[CaseRun]:
     """Every case through a :class:`CompactingCache` (``budget`` None: ``DynamicCache``),
     fed like :func:`lmcompact.eval.recall_after_generation.answer`: the prompt in one
-    forward, then ``interval`` tokens per forward, then the greedy answer."""
+    forward, then ``interval`` tokens per forward, then the greedy answer. ``prompt_whole``:
+    the prompt is kept whole until the first re-plan, as kvpress does (``decode_cache``)."""
     from transformers import DynamicCache
 
     from lmcompact.eval.long_generation import decode_cache
@@ -157,7 +159,9 @@ def run_ours(
             cache: Any = (
                 DynamicCache(config=model.config)
                 if budget is None
-                else decode_cache(model, policy, budget, len(prompt), interval)
+                else decode_cache(
+                    model, policy, budget, len(prompt), interval, prompt_whole=prompt_whole
+                )
             )
             question = torch.tensor(question_ids)
             forced = torch.cat([generated, question])
@@ -267,6 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-size", type=int, default=32, help="kvpress SnapKV window")
     parser.add_argument("--kernel-size", type=int, default=7, help="kvpress SnapKV pooling")
     parser.add_argument("--kvpress-python", default=None, help="python of the kvpress venv")
+    parser.add_argument(
+        "--compact-prompt",
+        choices=["prefill", "first-interval"],
+        default="prefill",
+        help="when our caches first cut the prompt to the budget: at its prefill (the "
+        "connector's way), or after the first interval of decoding (kvpress's schedule)",
+    )
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -317,7 +328,13 @@ def main(argv: list[str] | None = None) -> None:
         ours: dict[tuple[str, int | None], list[CaseRun]] = {}
         for policy, budget in tqdm(plans, desc="lmcompact cells"):
             ours[(policy, budget)] = run_ours(
-                model, cases, policy, budget, args.interval, args.new_tokens
+                model,
+                cases,
+                policy,
+                budget,
+                args.interval,
+                args.new_tokens,
+                prompt_whole=args.compact_prompt == "first-interval",
             )
         logger.info("lmcompact done; waiting for kvpress")
         output = pending.result()
@@ -355,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         "context": args.context,
         "generated": args.generated,
         "interval": args.interval,
+        "compact_prompt": args.compact_prompt,
         "samples": args.samples,
         "seed": args.seed,
         "new_tokens": args.new_tokens,

@@ -96,12 +96,16 @@ def decode_cache(
     prompt_len: int,
     interval: int,
     prompt_budget: float | None = None,
+    prompt_whole: bool = False,
 ) -> Any:
     """A :class:`~lmcompact.hf.cache.CompactingCache` whose ``policy`` keeps ``budget``
     tokens per (layer, head), re-planned every ``interval`` fed tokens. ``prompt_budget``
     None: one budget for everything, the prompt compacted to it too when longer (else kept
     whole); a fraction: the policy keeps that share of the prompt at its end and the budget
-    bounds the generated tokens only (``protect_prompt``, vLLM's release-group split)."""
+    bounds the generated tokens only (``protect_prompt``, vLLM's release-group split).
+    ``prompt_whole``: the prefill keeps the whole prompt, the first re-plan (after the
+    first ``interval`` fed tokens) cuts it to ``budget`` (kvpress ``DecodingPress``'s
+    schedule: it compresses during decoding only)."""
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.policies import make_policy
 
@@ -116,7 +120,7 @@ def decode_cache(
             protect_prompt=True,
             window_size=None,
         )
-    prefill: float | int = budget if budget < prompt_len else 1.0
+    prefill: float | int = budget if budget < prompt_len and not prompt_whole else 1.0
     instance = make_policy(policy, budget=prefill, **params)
     return CompactingCache(
         model, instance, decode_slack=interval - 1, decode_budget=budget, window_size=None

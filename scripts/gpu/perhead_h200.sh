@@ -11,7 +11,8 @@
 #   bash scripts/gpu/perhead_h200.sh pairs      # kvzip head/ragged/ragged int8, SnapKV/Ada-KV
 #   bash scripts/gpu/perhead_h200.sh serve      # bench serve 24 x (16k + 1024), Ada-KV vs SnapKV
 #   bash scripts/gpu/perhead_h200.sh profile    # one hit of each kind under cProfile: kvzip
-#                                               #   ragged, the default store, Ada-KV in place
+#                                               #   head and ragged, Ada-KV in place
+#   bash scripts/gpu/perhead_h200.sh micro      # the per-head decode launch vs FlashAttention
 set -uo pipefail
 source scripts/gpu/device_env.sh
 OUT=${OUT:-/tmp/out}
@@ -72,17 +73,19 @@ pairs)  # every per-head row beside its uniform row, one run: the figures of per
 profile)  # where a hit's time goes (the host functions with the most cumulative time)
   python3 -m lmcompact bench connector --shape llama3-8b --prompt-tokens 16384 \
     --decode-tokens 64 --profile --configs "{
+ \"kvzip_head\": {$KVZIP, \"policy_params\": {\"allocation\": \"head\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\"}},
  \"kvzip_ragged\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}}},
- \"kvzip_ragged_int8\": {$KVZIP, \"policy_params\": {\"allocation\": \"ragged\", \"share\": false, \"kernel_size\": 1}, \"store\": {\"compact_on\": \"save\", \"per_head\": {\"slack\": 3}, \"quantize\": \"int8\"}},
- \"default\": {\"budget\": 0.25},
  \"adakv_inplace\": {\"policy\": \"adakv\", \"budget\": 0.25, \"window\": 64, \"cuda_graphs\": \"full\", \"store\": false, \"release\": {\"prefill\": \"pack\", \"per_head\": {\"slack\": 1.5}}}}" \
     --json "$OUT/perhead-h200-bench-profile.json" > "$OUT/perhead-bench-profile.log" 2>&1
   tail -30 "$OUT/perhead-bench-profile.log"
+  ;;
+micro)  # per-layer times of the per-head decode launch (scripts/gpu/entry_decode_micro.py)
+  python3 scripts/gpu/entry_decode_micro.py --json "$OUT/entry-decode-micro.json" 2>&1 | tail -30
   ;;
 serve)
   python3 -m lmcompact bench serve --shape llama3-8b --prompt-tokens 16384 --output-tokens 1024 \
     --requests 24 --pool-requests 6 --budgets 0.25 --cuda-graphs full --per-head-policy adakv \
     --json "$OUT/perhead-serve-h200.json" 2>&1 | tail -30
   ;;
-*) echo "stage: tests | plans | pairs | connector-store | connector-inplace | inplace-default | profile | serve"; exit 2 ;;
+*) echo "stage: tests | plans | pairs | connector-store | connector-inplace | inplace-default | profile | micro | serve"; exit 2 ;;
 esac
