@@ -5,7 +5,8 @@ Times (CUDA graph of 32 launches, the 8B shape's layer count, replayed; ms per l
   request pays per layer), and over one block (what vLLM's kernel pays for a per-head row);
 - the per-head launch (:func:`lmcompact.kernels.entry_attention.attend_entries`) over the
   same total cells laid out uniformly and ragged (largest head 3x the mean, as kvzip's
-  ``per_head.slack`` 3 allows), at several key-split counts.
+  ``per_head.slack`` 3 allows), at several key-split counts;
+- the same for the step that prefills the prompt's last 256 tokens after a load.
 
     python scripts/gpu/entry_decode_micro.py --json $OUT/entry-decode-micro.json
 """
@@ -22,7 +23,7 @@ from lmcompact.kernels.entry_attention import EntryLengths, attend_entries, entr
 from lmcompact.kernels.synthetic import densify, random_paged_case
 
 HKV, GROUP, D, BS, LAYERS = 8, 4, 128, 16, 32
-PREFIX, TAIL, BASE = 16384, 64, 64
+PREFIX, TAIL, BASE, PREFILL = 16384, 64, 64, 256
 KEPT = PREFIX // 4
 SHAPES = {
     "uniform": [KEPT] * HKV,
@@ -59,14 +60,14 @@ def graph_ms(launch: Callable[[], None], repeats: int = 50) -> float:
     return start.elapsed_time(end) / (repeats * LAYERS)
 
 
-def flash_ms(keys: int, tail: int) -> float:
+def flash_ms(keys: int, tail: int, q_len: int = 1) -> float:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     case = random_paged_case(
         [[keys] * HKV],
         [keys],
         [tail],
-        [1],
+        [q_len],
         group=GROUP,
         head_dim=D,
         block_size=BS,
@@ -83,7 +84,7 @@ def flash_ms(keys: int, tail: int) -> float:
             queries,
             key_pool,
             value_pool,
-            max_seqlen_q=1,
+            max_seqlen_q=q_len,
             cu_seqlens_q=cu_q.to(torch.int32),
             max_seqlen_k=int(seq.max()),
             seqused_k=seq,
@@ -97,12 +98,12 @@ def flash_ms(keys: int, tail: int) -> float:
     return graph_ms(launch)
 
 
-def entry_ms(kept: list[int], splits: int) -> float:
+def entry_ms(kept: list[int], splits: int, q_len: int = 1) -> float:
     case = random_paged_case(
         [kept],
         [PREFIX],
-        [TAIL],
-        [1],
+        [max(TAIL, q_len)],
+        [q_len],
         group=GROUP,
         head_dim=D,
         block_size=BS,
@@ -136,7 +137,7 @@ def entry_ms(kept: list[int], splits: int) -> float:
             out,
             scale=D**-0.5,
             num_reqs=1,
-            max_q_len=1,
+            max_q_len=q_len,
             num_splits=splits,
         )
 
@@ -157,6 +158,11 @@ def main() -> None:
     for name, kept in SHAPES.items():
         for splits in sorted({4, 8, 16, 32, 64, default}):
             rows[f"entry_{name}_s{splits}"] = entry_ms(kept, splits)
+    # the first step after a per-head load: the prompt's last 256 tokens, prefilled
+    rows["flash_uniform_prefill256"] = flash_ms(KEPT, PREFILL, PREFILL)
+    for name, kept in SHAPES.items():
+        for splits in (1, 4, 8, 16):
+            rows[f"entry_{name}_prefill256_s{splits}"] = entry_ms(kept, splits, PREFILL)
     print(json.dumps(rows, indent=1))
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "ms_per_launch": rows}, f, indent=1)
