@@ -141,11 +141,13 @@ def run_ours(
     interval: int,
     new_tokens: int,
     prompt_whole: bool = False,
+    params: dict[str, Any] | None = None,
 ) -> list[CaseRun]:
     """Every case through a :class:`CompactingCache` (``budget`` None: ``DynamicCache``),
     fed like :func:`lmcompact.eval.recall_after_generation.answer`: the prompt in one
     forward, then ``interval`` tokens per forward, then the greedy answer. ``prompt_whole``:
-    the prompt is kept whole until the first re-plan, as kvpress does (``decode_cache``)."""
+    the prompt is kept whole until the first re-plan, as kvpress does; ``params``: the
+    policy's parameters (``decode_cache``)."""
     from transformers import DynamicCache
 
     from lmcompact.eval.long_generation import decode_cache
@@ -160,7 +162,13 @@ def run_ours(
                 DynamicCache(config=model.config)
                 if budget is None
                 else decode_cache(
-                    model, policy, budget, len(prompt), interval, prompt_whole=prompt_whole
+                    model,
+                    policy,
+                    budget,
+                    len(prompt),
+                    interval,
+                    prompt_whole=prompt_whole,
+                    params=params,
                 )
             )
             question = torch.tensor(question_ids)
@@ -278,6 +286,13 @@ def main(argv: list[str] | None = None) -> None:
         help="when our caches first cut the prompt to the budget: at its prefill (the "
         "connector's way), or after the first interval of decoding (kvpress's schedule)",
     )
+    parser.add_argument(
+        "--policy-params",
+        type=json.loads,
+        default={},
+        help='JSON: parameters per policy replacing the defaults, e.g. \'{"decoding_snapkv": '
+        '{"pooling": "avgpool", "window_size": 31}}\'',
+    )
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -335,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.interval,
                 args.new_tokens,
                 prompt_whole=args.compact_prompt == "first-interval",
+                params=args.policy_params.get(policy),
             )
         logger.info("lmcompact done; waiting for kvpress")
         output = pending.result()
@@ -373,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         "generated": args.generated,
         "interval": args.interval,
         "compact_prompt": args.compact_prompt,
+        "policy_params": args.policy_params,
         "samples": args.samples,
         "seed": args.seed,
         "new_tokens": args.new_tokens,

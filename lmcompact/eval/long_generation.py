@@ -97,6 +97,7 @@ def decode_cache(
     interval: int,
     prompt_budget: float | None = None,
     prompt_whole: bool = False,
+    params: dict[str, Any] | None = None,
 ) -> Any:
     """A :class:`~lmcompact.hf.cache.CompactingCache` whose ``policy`` keeps ``budget``
     tokens per (layer, head), re-planned every ``interval`` fed tokens. ``prompt_budget``
@@ -105,11 +106,12 @@ def decode_cache(
     bounds the generated tokens only (``protect_prompt``, vLLM's release-group split).
     ``prompt_whole``: the prefill keeps the whole prompt, the first re-plan (after the
     first ``interval`` fed tokens) cuts it to ``budget`` (kvpress ``DecodingPress``'s
-    schedule: it compresses during decoding only)."""
+    schedule: it compresses during decoding only). ``params`` replace the policy's
+    parameters of :data:`POLICIES`."""
     from lmcompact.hf.cache import CompactingCache
     from lmcompact.policies import make_policy
 
-    params = dict(POLICIES.get(policy, {}))
+    params = dict(POLICIES.get(policy, {}) if params is None else params)
     if prompt_budget is not None:
         instance = make_policy(policy, budget=prompt_budget, **params)
         return CompactingCache(

@@ -58,21 +58,30 @@ def entry_splits(
     max_keys: int,
     device: torch.device,
 ) -> int:
-    """Key splits of one launch: decode-sized steps split each head's keys (flash-decoding)
-    within :data:`SCRATCH_BYTES` of partials, rounded down to a power of two (fewer kernel
-    variants to compile); prefill chunks have enough query tiles with one."""
-    from lmcompact.kernels.paged_attention import decode_splits
+    """Key splits of one launch (flash-decoding): enough programs to fill the device, each
+    with >= 4 key tiles, as :func:`lmcompact.kernels.paged_attention.paged_attention`
+    picks them, within :data:`SCRATCH_BYTES` of partials, rounded down to a power of two
+    (fewer kernel variants to compile). Prefill chunks split too: the first step after a
+    per-head load prefills the prompt's last few hundred tokens over cells of up to
+    ``max_keys`` keys, one program per (head, query tile), too few to fill the device."""
+    from lmcompact.kernels.paged_attention import _decode_block_n, _num_splits
 
     if num_kv_heads < 1 or num_heads < num_kv_heads or num_heads % num_kv_heads:
         raise ValueError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
-    if max_q_len * (num_heads // num_kv_heads) > 16:
-        return 1
-    splits = decode_splits(max(num_reqs, 1), num_kv_heads, head_dim, max_keys, device)
+    rows = max(max_q_len, 1) * (num_heads // num_kv_heads)
+    query_tiles = -(-rows // _block_m(rows))
+    work = max(num_reqs, 1) * num_kv_heads * query_tiles
+    splits = _num_splits(work, max_keys, _decode_block_n(head_dim), device)
     per_split = max(tokens, 1) * num_heads * head_dim * 4
     splits = max(1, min(splits, SCRATCH_BYTES // per_split))
     return 1 << (splits.bit_length() - 1)
+
+
+def _block_m(rows: int) -> int:
+    """Query rows (queries x the GQA group) per program: one tile for a decode step."""
+    return 16 if rows <= 16 else 64
 
 
 def attend_entries(
@@ -120,7 +129,7 @@ def attend_entries(
     total_q, hq, d = queries.shape
     hkv = key_pool.shape[2]
     group = hq // hkv
-    block_m = 16 if max_q_len * group <= 16 else 64
+    block_m = _block_m(max_q_len * group)
     block_n = _decode_block_n(d)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=queries.device)
     launch_split_attention(

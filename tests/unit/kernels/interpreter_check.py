@@ -115,11 +115,13 @@ def check_entries() -> None:
     """Rows found by block lookup (lmcompact.kernels.entry_attention): request 1 of a dense
     batch is entry 2 of a table whose other entries are junk; request 0 has none, so its
     output rows must stay as the engine wrote them."""
-    for i, (q_len, splits) in enumerate([([1, 1], 1), ([1, 1], 4), ([3, 9], 1), ([3, 9], 2)]):
+    # the last case: a prefill chunk of two query tiles, its keys split three ways
+    runs = [([1, 1], 1), ([1, 1], 4), ([3, 9], 1), ([3, 9], 2), ([3, 40], 3)]
+    for i, (q_len, splits) in enumerate(runs):
         case = random_paged_case(
             [[5, 4, 13], [16, 7, 30]],
             [16, 32],
-            [3, 9],
+            [3, max(9, q_len[1] + 2)],
             q_len,
             group=2,
             head_dim=32,
