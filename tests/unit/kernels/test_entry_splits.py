@@ -35,8 +35,10 @@ def test_a_short_prefill_after_a_load_splits_its_keys() -> None:
 
 def test_a_long_prefill_stays_whole_within_the_scratch() -> None:
     assert splits(4, 2048, 8192) == 1  # 4096 programs fill the device already
-    assert 32 * 128 * 4 * 16384 > SCRATCH_BYTES  # partials of one split of 16384 tokens
+    # one request's 16384-token chunk: 8192 programs, and partials of more than one split
+    # would pass the scratch limit
     assert splits(1, 16384, 16384) == 1
+    assert splits(64, 4, 256, max_keys=1 << 20) * 256 * 32 * 128 * 4 <= SCRATCH_BYTES
 
 
 def test_heads_must_group() -> None:
