@@ -1,8 +1,8 @@
-"""Device machine: where a per-head request's decode step goes, one layer at a time.
+"""Device machine: where a per-head request's step goes, one layer at a time.
 
 Times (CUDA graph of 32 launches, the 8B shape's layer count, replayed; ms per launch):
-- vLLM's FlashAttention over a uniform request's 0.25 prefix + tail (what a one-count
-  request pays per layer), and over one block (what vLLM's kernel pays for a per-head row);
+- torch's SDPA over a uniform request's 0.25 prefix + tail held contiguously (roughly what
+  a one-count request pays per layer);
 - the per-head launch (:func:`lmcompact.kernels.entry_attention.attend_entries`) over the
   same total cells laid out uniformly and ragged (largest head 3x the mean, as kvzip's
   ``per_head.slack`` 3 allows), at several key-split counts;
@@ -60,40 +60,23 @@ def graph_ms(launch: Callable[[], None], repeats: int = 50) -> float:
     return start.elapsed_time(end) / (repeats * LAYERS)
 
 
-def flash_ms(keys: int, tail: int, q_len: int = 1) -> float:
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+def dense_ms(keys: int, q_len: int = 1) -> float:
+    """torch's SDPA over ``keys`` contiguous keys per head (the last ``q_len`` queries,
+    causal): what a layer of a request holding its kept keys uniformly costs, roughly."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
-    case = random_paged_case(
-        [[keys] * HKV],
-        [keys],
-        [tail],
-        [q_len],
-        group=GROUP,
-        head_dim=D,
-        block_size=BS,
-        dtype=torch.bfloat16,
-        device="cuda",
-        poison=False,
-    )
-    queries, key_pool, value_pool, table, cu_q, lengths = case.attention_args()
-    out = torch.empty_like(queries)
-    seq = lengths.seq_len.to(torch.int32)
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q = rand(1, HKV * GROUP, q_len, D)
+    k, v = rand(1, HKV, keys, D), rand(1, HKV, keys, D)
+    mask = None
+    if q_len > 1:  # query i sees keys up to keys - q_len + i
+        rows = torch.arange(q_len, device="cuda")[:, None] + keys - q_len
+        mask = torch.arange(keys, device="cuda")[None, :] <= rows
 
     def launch() -> None:
-        flash_attn_varlen_func(
-            queries,
-            key_pool,
-            value_pool,
-            max_seqlen_q=q_len,
-            cu_seqlens_q=cu_q.to(torch.int32),
-            max_seqlen_k=int(seq.max()),
-            seqused_k=seq,
-            softmax_scale=D**-0.5,
-            causal=True,
-            block_table=table.to(torch.int32),
-            out=out,
-            fa_version=3,
-        )
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     return graph_ms(launch)
 
@@ -150,8 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     rows: dict[str, float] = {
-        "flash_uniform_prefix": flash_ms(KEPT, TAIL),
-        "flash_one_block": flash_ms(0, BS),
+        "sdpa_uniform_prefix": dense_ms(KEPT + TAIL),
     }
     default = entry_splits(1, 1, HKV, HKV * GROUP, D, 1, 3 * KEPT + TAIL, device)
     rows["default_splits"] = default
@@ -159,7 +141,7 @@ def main() -> None:
         for splits in sorted({4, 8, 16, 32, 64, default}):
             rows[f"entry_{name}_s{splits}"] = entry_ms(kept, splits)
     # the first step after a per-head load: the prompt's last 256 tokens, prefilled
-    rows["flash_uniform_prefill256"] = flash_ms(KEPT, PREFILL, PREFILL)
+    rows["sdpa_uniform_prefill256"] = dense_ms(KEPT + PREFILL, PREFILL)
     for name, kept in SHAPES.items():
         for splits in (1, 4, 8, 16):
             rows[f"entry_{name}_prefill256_s{splits}"] = entry_ms(kept, splits, PREFILL)
