@@ -61,10 +61,11 @@ from lmcompact.compaction.device_pack import DevicePacker
 from lmcompact.compaction.heavy_hitters import HeavyHitterScores
 from lmcompact.compaction.hole_planner import HolePlanner, PrefillMode
 from lmcompact.compaction.holes import cut_holes_in_place
+from lmcompact.compaction.host_copies import on_device
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.pack import WindowQueries, pack_in_place
 from lmcompact.compaction.page_layout import PageLayout, make_layout
-from lmcompact.compaction.per_head import cell_images, layer_runs, on_device
+from lmcompact.compaction.per_head import cell_images, layer_runs
 from lmcompact.compaction.per_head_attention import PerHeadAttention
 from lmcompact.compaction.save_job import SCORE_NEEDS, SaveJob, compact_job, window_masses
 from lmcompact.compaction.window_merge import WindowScores, decode_window

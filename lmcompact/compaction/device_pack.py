@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lmcompact.compaction.host_copies import values_on_device
 from lmcompact.compaction.kv_quant import Fp8Pages
 from lmcompact.compaction.save_job import SCORE_NEEDS
 from lmcompact.kernels import dispatch as kernels
@@ -278,8 +279,7 @@ class DevicePacker:
         from lmcompact.kernels.paged_pack import gather_pages, gather_pages_reference
 
         nb = num_tokens // self.block_size
-        row = torch.tensor(list(block_ids[:nb]), dtype=torch.int64)
-        row = row.to(self.device, non_blocking=True)
+        row = values_on_device(list(block_ids[:nb]), torch.int64, self.device)
         if kernels.use_kernels(self.device):
             pages = gather_pages(self.kv_layers, self.ptrs, row)  # (L, T, H, 2D)
         else:  # the torch reference: the same pack on the CPU

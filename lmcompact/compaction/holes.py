@@ -34,6 +34,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lmcompact.compaction.host_copies import values_on_device
+
 
 @dataclass(frozen=True)
 class Hole:
@@ -191,10 +193,10 @@ def skip_holes_on_device(
         if column >= width:
             continue
         firsts = sorted(k for k, hole in holes.items() if hole.key_column == column)
-        keys = torch.tensor(firsts, dtype=block_table.dtype).to(device, non_blocking=True)
-        spec = torch.tensor(
-            [[holes[f].start_block, holes[f].num_blocks] for f in firsts], dtype=torch.int64
-        ).to(device, non_blocking=True)
+        keys = values_on_device(firsts, block_table.dtype, device)
+        spec = values_on_device(
+            [[holes[f].start_block, holes[f].num_blocks] for f in firsts], torch.int64, device
+        )
         first = block_table[:, column].contiguous()
         at = torch.searchsorted(keys, first).clamp(max=len(firsts) - 1)
         match = (keys[at] == first) & live
@@ -223,7 +225,8 @@ def cut_holes_in_place(
     For runners that replay full CUDA graphs: the graphs read the table and key lengths
     from fixed buffers, so the cut must land in those buffers before the step's attention
     metadata is built from them. Rows are known on the host (by request id), so the cut
-    needs no read-back: a few tiny host-to-device copies and three kernels.
+    needs no read-back: a few tiny host-to-device copies (page-locked: they do not wait for
+    the previous step, :mod:`lmcompact.compaction.host_copies`) and three kernels.
 
     Args:
         block_table: ``(rows, max_blocks)`` int32 physical block ids (edited in place).
@@ -237,12 +240,12 @@ def cut_holes_in_place(
     if not rows:
         return
     device = block_table.device
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+    index = values_on_device(rows, torch.int64, device)
+    start = values_on_device(starts, torch.int64, device)
     if isinstance(lengths, torch.Tensor):
         count = lengths.to(device, torch.int64)
     else:
-        count = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+        count = values_on_device(lengths, torch.int64, device)
     width = block_table.shape[1]
     cols = torch.arange(width, device=device).expand(len(rows), width)
     src = torch.where(cols >= start[:, None], cols + count[:, None], cols)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcompact.compaction.host_copies import host_to_device, is_pinned
 from lmcompact.compaction.page_layout import PageLayout
 from lmcompact.kernels.reference_paged import paged_attention_reference
 from lmcompact.layout.paged import PagedLengths, dense_cells
@@ -143,7 +144,7 @@ def pack_per_head(
         sources.append(torch.cat([h * num_tokens + p.to(torch.int64) for h, p in enumerate(heads)]))
     flat = torch.cat(sources)
     device = kv_layers[0].device
-    flat = on_device(device, flat.pin_memory() if device.type == "cuda" else flat)
+    flat = host_to_device(device, flat)
     offsets = [0, *torch.cumsum(counts.sum(dim=1, dtype=torch.int64), 0).tolist()]
     for layer, kv in enumerate(kv_layers):
         if per_layer is None:
@@ -294,23 +295,3 @@ def cell_images(
         image.index_copy_(0, target, moved)
         out.append(image.view(layers, heads, width, dim))
     return out[0], out[1], filled
-
-
-def host_to_device(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
-    """A small host ``tensor`` on ``device``, through page-locked memory on CUDA so the copy
-    does not wait for the work already queued."""
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return on_device(device, tensor)
-
-
-def is_pinned(tensor: torch.Tensor) -> bool:
-    """Whether a copy from ``tensor`` may be queued without waiting (page-locked host memory)."""
-    return tensor.device.type == "cpu" and tensor.is_pinned()
-
-
-def on_device(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on ``device``; from page-locked host memory without a per-copy wait."""
-    if tensor.device == device:
-        return tensor
-    return tensor.to(device, non_blocking=is_pinned(tensor))

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lmcompact.compaction.holes import Hole, cut_holes_in_place
+from lmcompact.compaction.host_copies import values_on_device
 from lmcompact.compaction.page_observer import PageObserver
 from lmcompact.compaction.per_head_tables import DeviceHeadTables, HeadCounts
 from lmcompact.kernels import dispatch as kernels
@@ -224,12 +225,12 @@ class PerHeadAttention(PageObserver[_Rows]):
             return {}
         cut: list[int] | torch.Tensor = blocks
         if query_start_loc is not None:
-            index = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            index = values_on_device(rows, torch.int64, seq_lens.device)
             starts = query_start_loc.to(torch.int64)
             queries = starts[index + 1] - starts[index]
             # keys before the block of the first query; never less than the tail's start
             ahead = (seq_lens[index].to(torch.int64) - queries) // bs
-            least = torch.tensor(blocks, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            least = values_on_device(blocks, torch.int64, seq_lens.device)
             cut = torch.maximum(ahead, least)
         cut_holes_in_place(block_table, seq_lens, rows, [0] * len(rows), cut, bs)
         self.stats["rows_cut_to_tail"] += len(rows)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcompact.compaction.host_copies import host_to_device
 from lmcompact.kernels.entry_attention import EntryLengths
 
 
@@ -103,8 +104,10 @@ class DeviceHeadTables:
                     "(the engine's max_num_seqs)"
                 )
             slot = free.pop(0)
-            self.kept[:, slot].copy_(counts.counts.to(torch.int32))
-            self.cells[:, slot].copy_(counts.cells.to(torch.int32))
+            # through page-locked memory: a pageable copy would wait for the previous step
+            device = self.kept.device
+            self.kept[:, slot].copy_(host_to_device(device, counts.counts.to(torch.int32)))
+            self.cells[:, slot].copy_(host_to_device(device, counts.cells.to(torch.int32)))
             self.tail[slot] = counts.reserved
             self.base[slot] = counts.base
             self.entries[counts.first_block] = slot  # last: the row turns on with its counts
