@@ -98,6 +98,7 @@ def attend_entries(
     num_reqs: int,
     max_q_len: int,
     num_splits: int,
+    balanced: bool = False,
 ) -> None:
     """Overwrite ``out``'s rows of the per-head requests among the first ``num_reqs`` batch
     rows with their attention over their dense cells and tail (Triton, no host reads).
@@ -114,6 +115,9 @@ def attend_entries(
         num_reqs, max_q_len: the batch's rows and longest query run (host ints the engine's
             metadata carries; a captured graph fixes them).
         num_splits: :func:`entry_splits`.
+        balanced: split the heads' keys laid end to end instead of each head's own, so a
+            head with many more keys than the others does not set the launch's time
+            (:mod:`lmcompact.kernels.entry_balanced`; ``Hkv x num_splits`` programs either way).
     """
     import triton  # type: ignore[import-untyped]
 
@@ -131,6 +135,28 @@ def attend_entries(
     group = hq // hkv
     block_m = _block_m(max_q_len * group)
     block_n = _decode_block_n(d)
+    if balanced:
+        from lmcompact.kernels.entry_balanced import launch_balanced
+
+        launch_balanced(
+            queries,
+            key_pool,
+            value_pool,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            lengths,
+            out,
+            scale=scale,
+            num_reqs=num_reqs,
+            max_q_len=max_q_len,
+            num_splits=num_splits,
+            block_m=block_m,
+            block_n=block_n,
+            precision=_dot_precision(queries.dtype),
+            num_stages=decode_num_stages(d),
+        )
+        return
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=queries.device)
     launch_split_attention(
         (num_reqs * hkv, triton.cdiv(max_q_len * group, block_m), num_splits),

@@ -50,6 +50,86 @@ def _row_entry(table_ptr, entry_ptr, b, stride_tb, LOOKUP: tl.constexpr):
 
 
 @triton.jit
+def _attend_span(
+    q,
+    m_i,
+    l_i,
+    acc,
+    c_lo,
+    c_hi,
+    kept,
+    tail,
+    q_slot,
+    base,
+    first_cell,
+    h,
+    row_base,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    d,
+    d_ok,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+    DENSE: tl.constexpr,
+):
+    """Online softmax of head ``h``'s query rows ``q`` over its visible keys ``[c_lo, c_hi)``
+    (key ``c < kept``: kept slot ``c``, or with ``DENSE`` past ``base`` its cell ``first_cell
+    + c - base``; ``c >= kept``: tail slot ``c + tail - kept``), carried in ``(m_i, l_i,
+    acc)``."""
+    for c0 in range(c_lo, c_hi, BLOCK_N):
+        c = c0 + tl.arange(0, BLOCK_N)
+        c_ok = c < c_hi
+        slot = tl.where(c < kept, c, c + (tail - kept))
+        if DENSE:
+            in_cells = (c >= base) & (c < kept)
+            cell = first_cell + c - base
+            cell_in_block = cell % (BLOCK_SIZE * HKV)
+            entry = tl.where(in_cells, cell // (BLOCK_SIZE * HKV), slot // BLOCK_SIZE)
+            offset = tl.where(in_cells, cell_in_block % BLOCK_SIZE, slot % BLOCK_SIZE)
+            head = tl.where(in_cells, cell_in_block // BLOCK_SIZE, h)
+        else:
+            entry = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            head = h
+        blk = tl.load(row_base + entry, mask=c_ok, other=0).to(tl.int64)
+        k_off = blk * stride_kb + offset * stride_ks + head * stride_kh
+        k = tl.load(
+            k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0
+        ).to(q.dtype)  # int8 -> q's dtype is exact (|k| <= 127)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if QUANT:  # per-token scales: keys scale the logits, values the probabilities
+            s_off = blk * stride_sb + offset * stride_ss + head * stride_sh
+            s = s * tl.load(ks_ptr + s_off, mask=c_ok, other=0.0)[None, :]
+        seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0
+        ).to(q.dtype)
+        if QUANT:
+            p = p * tl.load(vs_ptr + s_off, mask=c_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def attn_split_kernel(
     q_ptr,
     k_ptr,
@@ -128,47 +208,45 @@ def attn_split_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         row_base = table_ptr + b.to(tl.int64) * stride_tb
+        base = 0
+        first_cell = 0
         if DENSE:  # kept keys past `base` sit in the head's dense cells (layout.paged)
             base = tl.load(dense_base_ptr + e).to(tl.int32)
             first_cell = tl.load(dense_start_ptr + e * HKV + h).to(tl.int32)
-        for c0 in range(c_lo, c_hi, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
-            c_ok = c < c_hi
-            slot = tl.where(c < kept, c, c + (tail - kept))
-            if DENSE:
-                in_cells = (c >= base) & (c < kept)
-                cell = first_cell + c - base
-                cell_in_block = cell % (BLOCK_SIZE * HKV)
-                entry = tl.where(in_cells, cell // (BLOCK_SIZE * HKV), slot // BLOCK_SIZE)
-                offset = tl.where(in_cells, cell_in_block % BLOCK_SIZE, slot % BLOCK_SIZE)
-                head = tl.where(in_cells, cell_in_block // BLOCK_SIZE, h)
-            else:
-                entry = slot // BLOCK_SIZE
-                offset = slot % BLOCK_SIZE
-                head = h
-            blk = tl.load(row_base + entry, mask=c_ok, other=0).to(tl.int64)
-            k_off = blk * stride_kb + offset * stride_ks + head * stride_kh
-            k = tl.load(
-                k_ptr + k_off[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0
-            ).to(q.dtype)  # int8 -> q's dtype is exact (|k| <= 127)
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-            if QUANT:  # per-token scales: keys scale the logits, values the probabilities
-                s_off = blk * stride_sb + offset * stride_ss + head * stride_sh
-                s = s * tl.load(ks_ptr + s_off, mask=c_ok, other=0.0)[None, :]
-            seen = c_ok[None, :] & ((c < kept)[None, :] | (slot[None, :] <= q_slot[:, None]))
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + k_off[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0
-            ).to(q.dtype)
-            if QUANT:
-                p = p * tl.load(vs_ptr + s_off, mask=c_ok, other=0.0)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_span(
+            q,
+            m_i,
+            l_i,
+            acc,
+            c_lo,
+            c_hi,
+            kept,
+            tail,
+            q_slot,
+            base,
+            first_cell,
+            h,
+            row_base,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            d,
+            d_ok,
+            scale_log2,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_sb,
+            stride_ss,
+            stride_sh,
+            HKV,
+            BLOCK_SIZE,
+            BLOCK_N,
+            DOT_PRECISION,
+            QUANT,
+            DENSE,
+        )
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

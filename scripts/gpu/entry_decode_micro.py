@@ -5,7 +5,8 @@ Times (CUDA graph of 32 launches, the 8B shape's layer count, replayed; ms per l
   a one-count request pays per layer);
 - the per-head launch (:func:`lmcompact.kernels.entry_attention.attend_entries`) over the
   same total cells laid out uniformly and ragged (largest head 3x the mean, as kvzip's
-  ``per_head.slack`` 3 allows), at several key-split counts;
+  ``per_head.slack`` 3 allows), at several key-split counts, each head's keys split or
+  all heads' end to end (``balanced``, :mod:`lmcompact.kernels.entry_balanced`);
 - the same for the step that prefills the prompt's last 256 tokens after a load.
 
     python scripts/gpu/entry_decode_micro.py --json $OUT/entry-decode-micro.json
@@ -81,7 +82,7 @@ def dense_ms(keys: int, q_len: int = 1) -> float:
     return graph_ms(launch)
 
 
-def entry_ms(kept: list[int], splits: int, q_len: int = 1) -> float:
+def entry_ms(kept: list[int], splits: int, q_len: int = 1, balanced: bool = False) -> float:
     case = random_paged_case(
         [kept],
         [PREFIX],
@@ -122,6 +123,7 @@ def entry_ms(kept: list[int], splits: int, q_len: int = 1) -> float:
             num_reqs=1,
             max_q_len=q_len,
             num_splits=splits,
+            balanced=balanced,
         )
 
     return graph_ms(launch)
@@ -140,11 +142,15 @@ def main() -> None:
     for name, kept in SHAPES.items():
         for splits in sorted({4, 8, 16, 32, 64, default}):
             rows[f"entry_{name}_s{splits}"] = entry_ms(kept, splits)
+            rows[f"entry_{name}_s{splits}_balanced"] = entry_ms(kept, splits, balanced=True)
     # the first step after a per-head load: the prompt's last 256 tokens, prefilled
     rows["sdpa_uniform_prefill256"] = dense_ms(KEPT + PREFILL, PREFILL)
     for name, kept in SHAPES.items():
         for splits in (1, 4, 8, 16):
             rows[f"entry_{name}_prefill256_s{splits}"] = entry_ms(kept, splits, PREFILL)
+            rows[f"entry_{name}_prefill256_s{splits}_balanced"] = entry_ms(
+                kept, splits, PREFILL, balanced=True
+            )
     print(json.dumps(rows, indent=1))
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "ms_per_launch": rows}, f, indent=1)

@@ -24,7 +24,7 @@ tests)
   { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k "entry or dense"
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_pack.py -k per_head
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_connector_perhead.py \
-      tests/gpu/test_store_quant.py; } 2>&1 | grep -E "passed|failed|Error" \
+      tests/gpu/test_store_quant.py tests/gpu/test_host_copies.py; } 2>&1 | grep -E "passed|failed|Error" \
     | tee "$OUT/perhead-kernels.log"
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_serve_graphs.py \
     -k "per_head or packs" > "$OUT/perhead-serve-graphs.log" 2>&1

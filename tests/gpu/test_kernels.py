@@ -122,11 +122,13 @@ def test_dense_cells_match_reference_over_the_original_slots(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_entry_attention_replayed_from_a_cuda_graph(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("balanced", [False, True])
+def test_entry_attention_replayed_from_a_cuda_graph(dtype: torch.dtype, balanced: bool) -> None:
     """The per-head launch of the vLLM connector (lmcompact.kernels.entry_attention) is
     captured once with no per-head request in its tables, then replayed after the tables
     (not the graph) turn requests 0 and 2 on: their rows equal the reference over the
-    original slots, request 1's rows stay as the engine wrote them."""
+    original slots, request 1's rows stay as the engine wrote them. ``balanced``: the
+    heads' keys split end to end (lmcompact.kernels.entry_balanced)."""
     from lmcompact.kernels.entry_attention import EntryLengths, attend_entries, entry_splits
 
     batch, hkv, bs = 3, 8, 16
@@ -176,6 +178,7 @@ def test_entry_attention_replayed_from_a_cuda_graph(dtype: torch.dtype) -> None:
             num_reqs=batch,
             max_q_len=1,
             num_splits=splits,
+            balanced=balanced,
         )
 
     launch()  # compile outside the capture

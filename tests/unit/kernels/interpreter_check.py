@@ -115,12 +115,15 @@ def check_entries() -> None:
     """Rows found by block lookup (lmcompact.kernels.entry_attention): request 1 of a dense
     batch is entry 2 of a table whose other entries are junk; request 0 has none, so its
     output rows must stay as the engine wrote them."""
-    # the last case: a prefill chunk of two query tiles, its keys split three ways
+    # a prefill chunk of two query tiles, its keys split three ways; then request 1 with
+    # one head holding most keys, so balanced programs cross heads and split inside one
     runs = [([1, 1], 1), ([1, 1], 4), ([3, 9], 1), ([3, 9], 2), ([3, 40], 3)]
+    runs += [([1, 1], 2), ([3, 40], 2)]
     for i, (q_len, splits) in enumerate(runs):
+        long = i >= 5
         case = random_paged_case(
-            [[5, 4, 13], [16, 7, 30]],
-            [16, 32],
+            [[5, 4, 13], [300, 20, 150] if long else [16, 7, 30]],
+            [16, 320 if long else 32],
             [3, max(9, q_len[1] + 2)],
             q_len,
             group=2,
@@ -141,27 +144,33 @@ def check_entries() -> None:
         entries[int(table[1, 0])] = 2
         tables = EntryLengths(entries, kept, cells, tail, base)
         engine_rows = torch.full_like(queries, 7.0)
-        got = engine_rows.clone()
-        attend_entries(
-            queries,
-            key_pool,
-            value_pool,
-            table,
-            cu_q,
-            lengths.seq_len,
-            tables,
-            got,
-            scale=32**-0.5,
-            num_reqs=2,
-            max_q_len=max(q_len),
-            num_splits=splits,
-        )
         want, _ = paged_attention_reference(*case.attention_args(), scale=32**-0.5)
         mine = slice(int(cu_q[1]), int(cu_q[2]))
-        check(f"entry rows case {i}", got[mine], want[mine])
-        check(
-            f"entry rows left alone case {i}", got[: int(cu_q[1])], engine_rows[: int(cu_q[1])], 0.0
-        )
+        for balanced in (False, True):  # each head's keys split, or all heads' end to end
+            got = engine_rows.clone()
+            attend_entries(
+                queries,
+                key_pool,
+                value_pool,
+                table,
+                cu_q,
+                lengths.seq_len,
+                tables,
+                got,
+                scale=32**-0.5,
+                num_reqs=2,
+                max_q_len=max(q_len),
+                num_splits=splits,
+                balanced=balanced,
+            )
+            name = f"case {i}{' balanced' if balanced else ''}"
+            check(f"entry rows {name}", got[mine], want[mine])
+            check(
+                f"entry rows left alone {name}",
+                got[: int(cu_q[1])],
+                engine_rows[: int(cu_q[1])],
+                0.0,
+            )
         ref = engine_rows.clone()
         entry_attention_reference(
             queries,
