@@ -72,6 +72,7 @@ from lmcompact.compaction.window_merge import WindowScores, decode_window
 from lmcompact.kernels import dispatch as kernels
 from lmcompact.policies import Need
 from lmcompact.policies.adakv import AdaKV
+from lmcompact.policies.pyramidkv import PyramidKV
 from lmcompact.store import ChunkKey, CompactedChunk, TieredStore
 from lmcompact.store.pinned_pool import PinnedBufferPool, size_class
 from lmcompact.store.quant import quantized_nbytes
@@ -1387,7 +1388,7 @@ class Worker:
         """One per-head pack on the GPU. Its counts come back to the host (the per-head
         tables are built there): one wait for the pack, none per layer."""
         assert self.device_packer is not None and self.perhead is not None
-        assert isinstance(self.pack_policy, AdaKV)  # DevicePacker.supports_per_head
+        assert isinstance(self.pack_policy, AdaKV | PyramidKV)  # supports_per_head
         if job.start:
             raise ValueError("per-head counts pack from token 0 only")
         counts = self.device_packer.pack_per_head(

@@ -24,10 +24,12 @@ goes back to torch's caching allocator, which reuses it only in stream order too
 Policies with a device scorer: ``snapkv``, ``streaming_llm``, ``knorm``
 (:data:`DEVICE_SCORERS`); others take the reference path.
 
-Per-head counts (Ada-KV over a device scorer, :meth:`DevicePacker.pack_per_head`) take the
-same gather and scores; Ada-KV ranks every layer's ``(H x T)`` pairs at once, and
-:func:`write_cells` lays the chosen pairs out as dense cells (head after head, see
-:mod:`lmcompact.compaction.per_head`), the reference's layout.
+Per-head counts (Ada-KV over a device scorer, PyramidKV; :meth:`DevicePacker.pack_per_head`)
+take the same gather and scores; Ada-KV ranks every layer's ``(H x T)`` pairs at once,
+PyramidKV's counts per layer (its cap and budget search included) are known on the host
+before it selects (:func:`pyramid_counts`), and :func:`write_cells` lays the chosen pairs
+out as dense cells (head after head, see :mod:`lmcompact.compaction.per_head`), the
+reference's layout. DuoAttention's per-head packs take the reference path.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from lmcompact.policies import CompactionInputs, CompactionPolicy
 from lmcompact.policies._select import pool_scores
 from lmcompact.policies.adakv import AdaKV
 from lmcompact.policies.base import descending_order
+from lmcompact.policies.pyramidkv import PyramidKV
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ def write_cells(
     kv_layers: Sequence[torch.Tensor],
     row: torch.Tensor,
     pages: torch.Tensor,
-    chosen: torch.Tensor,
+    chosen: Sequence[torch.Tensor],
     reserved: int,
 ) -> None:
     """Write each layer's chosen ``(head, token)`` pairs as dense cells of slots
@@ -122,26 +125,64 @@ def write_cells(
         kv_layers: per layer ``(num_blocks, H, bs, 2D)`` paged caches (written).
         row: the request's physical block ids (at least ``reserved / bs``), on their device.
         pages: ``(L, T, H, 2D)`` copy of the span (:func:`gather_pages`; not the caches).
-        chosen: ``(L, N)`` int64 ascending flat pairs ``head * T + token`` (head after head,
-            tokens in order: cell ``j`` of layer ``l`` is pair ``chosen[l, j]``).
-        reserved: slots of the cells (whole blocks, ``N <= reserved x H``).
+        chosen: per layer, ``(N_l,)`` int64 ascending flat pairs ``head * T + token`` (head
+            after head, tokens in order: cell ``j`` of layer ``l`` is pair ``chosen[l][j]``).
+        reserved: slots of the cells (whole blocks, ``N_l <= reserved x H``).
     """
     layers, length, heads, width = pages.shape
     bs = kv_layers[0].shape[2]
     cells = reserved * heads
-    if reserved % bs or chosen.shape[1] > cells or chosen.shape[0] != layers:
+    if reserved % bs or len(chosen) != layers or any(len(c) > cells for c in chosen):
         raise ValueError(
-            f"{tuple(chosen.shape)} pairs do not fit {layers} layers of {reserved} "
-            f"block-aligned slots x {heads} heads"
+            f"{[len(c) for c in chosen]} pairs per layer do not fit {layers} layers of "
+            f"{reserved} block-aligned slots x {heads} heads"
         )
     blocks = row[: reserved // bs].to(kv_layers[0].device, torch.int64)
-    token, head = chosen % length, chosen // length
     image = torch.empty(cells, width, dtype=pages.dtype, device=pages.device)
-    for layer, kv in enumerate(kv_layers):
+    for layer, (kv, pairs) in enumerate(zip(kv_layers, chosen, strict=True)):
         image.zero_()
-        image[: chosen.shape[1]] = pages[layer, token[layer], head[layer]]
+        image[: len(pairs)] = pages[layer, pairs % length, pairs // length]
         # cell (block b, head g, slot s) is b * bs * H + g * bs + s: the page order itself
         kv[blocks] = image.view(reserved // bs, heads, bs, width)
+
+
+def pyramid_counts(
+    policy: PyramidKV, kept: int, num_tokens: int, layers: int, cap: int, reserved: int
+) -> tuple[int, list[int], list[int]]:
+    """What :func:`lmcompact.compaction.pack.pack_in_place` with ``reserved`` settles on for
+    PyramidKV, from counts alone: the budget it asks the policy for (the smallest whose
+    clipped mean is ``kept`` again, by the same bisection), each layer's planned count per
+    head, and that count after the head cap and the layer's ``reserved x H`` cells (a
+    layer's heads keep equal counts, so the cut is the same for each).
+
+    Returns:
+        ``(ask, planned, final)``.
+    """
+    from lmcompact.compaction.pack import MAX_BUDGET_SEARCH
+
+    def counts(ask: int) -> tuple[list[int], list[int]]:
+        planned = policy.budgets_for(min(ask, num_tokens), num_tokens, layers)
+        clipped = [n if 1 <= n <= cap else (cap if n > cap else 1) for n in planned]
+        # a layer's heads keep equal counts: its cells' water level is ``reserved`` each
+        return planned, [min(n, reserved) for n in clipped]
+
+    def enough(ask: int) -> bool:
+        return sum(counts(ask)[1]) >= kept * layers
+
+    ask = kept
+    if not enough(ask):
+        lo, hi, best = kept + 1, num_tokens, None
+        for _ in range(MAX_BUDGET_SEARCH):
+            if lo > hi:
+                break
+            mid = (lo + hi) // 2
+            if enough(mid):
+                best, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        ask = best if best is not None else num_tokens
+    planned, final = counts(ask)
+    return ask, planned, final
 
 
 class DevicePacker:
@@ -213,7 +254,10 @@ class DevicePacker:
 
     @staticmethod
     def supports_per_head(policy: CompactionPolicy) -> bool:
-        """Ada-KV over a device scorer, with a safeguard (every head keeps >= 1 token)."""
+        """Ada-KV over a device scorer, with a safeguard (every head keeps >= 1 token), and
+        PyramidKV (SnapKV's scores, a count per layer)."""
+        if isinstance(policy, PyramidKV):
+            return True
         return (
             isinstance(policy, AdaKV)
             and policy.inner.name in DEVICE_SCORERS
@@ -227,7 +271,7 @@ class DevicePacker:
         kept: int,
         reserved: int,
         head_cap: int | None,
-        policy: AdaKV,
+        policy: AdaKV | PyramidKV,
         queries: torch.Tensor | None,
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -241,10 +285,11 @@ class DevicePacker:
             reserved: slots of a layer's cells (whole blocks, ``kept <= reserved <
                 num_tokens``).
             head_cap: most tokens one (layer, head) keeps; None: ``reserved``.
-            policy: Ada-KV (:meth:`supports_per_head`).
+            policy: Ada-KV or PyramidKV (:meth:`supports_per_head`).
 
         Returns:
-            ``(L, H)`` int64 kept counts, on the device.
+            ``(L, H)`` int64 kept counts, on the device (PyramidKV's: on the host, known
+            before the selection).
         """
         bs = self.block_size
         if reserved % bs or not 0 < kept <= reserved < num_tokens:
@@ -256,6 +301,8 @@ class DevicePacker:
             raise ValueError("per-head counts are not supported on fp8 caches")
         row, pages, keys = self._read(block_ids, num_tokens)
         mass = self._mass(policy, keys, queries, positions)
+        if isinstance(policy, PyramidKV):
+            return self._pyramid_cells(row, pages, keys, mass, kept, reserved, head_cap, policy)
         scores = device_scores(policy.inner, mass, keys, kept)
         layers, heads, length = scores.shape
         inputs = CompactionInputs(
@@ -267,9 +314,39 @@ class DevicePacker:
             max_layer_tokens=reserved * heads,
         )
         chosen = policy.layer_choices(scores, inputs).sort(dim=1).values
-        write_cells(self.kv_layers, row, pages, chosen, reserved)
+        write_cells(self.kv_layers, row, pages, chosen.unbind(), reserved)
         counts = torch.zeros(layers, heads, dtype=torch.int64, device=self.device)
         return counts.scatter_add_(1, chosen // length, torch.ones_like(chosen))
+
+    def _pyramid_cells(
+        self,
+        row: torch.Tensor,
+        pages: torch.Tensor,
+        keys: torch.Tensor,
+        mass: torch.Tensor | None,
+        kept: int,
+        reserved: int,
+        head_cap: int | None,
+        policy: PyramidKV,
+    ) -> torch.Tensor:
+        """PyramidKV's per-head pack: the counts come from :func:`pyramid_counts` (no device
+        read), each layer's heads keep their planned best, cut to the final count by the
+        reference's rule (its first ``c // 2`` and last ``c - c // 2`` choices)."""
+        layers, length, heads, _ = pages.shape
+        cap = reserved if head_cap is None else head_cap
+        ask, planned, final = pyramid_counts(policy, kept, length, layers, cap, reserved)
+        scores = _snapkv(policy, mass, keys, min(ask, length))
+        order = descending_order(scores.reshape(layers * heads, length), None)
+        order = order.view(layers, heads, length)
+        offsets = torch.arange(heads, device=order.device)[:, None] * length
+        chosen = []
+        for layer, (n, c) in enumerate(zip(planned, final, strict=True)):
+            best = order[layer, :, :n].sort(dim=-1).values
+            if c < n:
+                best = torch.cat([best[:, : c // 2], best[:, n - (c - c // 2) :]], dim=1)
+            chosen.append((best + offsets).flatten())
+        write_cells(self.kv_layers, row, pages, chosen, reserved)
+        return torch.tensor(final, dtype=torch.int64)[:, None].expand(layers, heads).clone()
 
     def _read(
         self, block_ids: Sequence[int], num_tokens: int
@@ -353,7 +430,7 @@ class DevicePacker:
                 positions = torch.arange(tokens - window, tokens, device=self.device)
             began = time.perf_counter()
             row = range(1, tokens // bs + 1)
-            if isinstance(policy, AdaKV):  # the per-head path, cells as wide as the mean
+            if isinstance(policy, AdaKV | PyramidKV):  # per-head: cells as wide as the mean
                 self.pack_per_head(row, tokens, kept, kept, None, policy, queries, positions)
             else:
                 self.pack(row, tokens, kept, policy, queries, positions)

@@ -51,11 +51,15 @@ class PyramidKV(SnapKV):
 
     def layer_budgets(self, inputs: CompactionInputs) -> list[int]:
         """Tokens each layer keeps per head (window included), in layer order."""
-        keep = self.keep_count(inputs)
         available = int(inputs.valid_counts().min())
+        return self.budgets_for(self.keep_count(inputs), available, inputs.num_layers)
+
+    def budgets_for(self, keep: int, available: int, layers: int) -> list[int]:
+        """:meth:`layer_budgets` from a mean of ``keep`` per head, ``available`` valid
+        candidates in every head and ``layers`` layers (no inputs needed: a device pack
+        sizes its cells from these counts before it selects)."""
         window = min(self.window_size, keep, available)
         mean_share = keep - window
-        layers = inputs.num_layers
         if layers == 1:
             targets = [float(mean_share)]
         else:
