@@ -109,7 +109,7 @@ def attn_balanced_kernel(
         base = tl.load(dense_base_ptr + e).to(tl.int32)
         token = (q_lo + qi).to(tl.int64)
         offset = total * 0
-        for hh in tl.static_range(HKV):
+        for hh in range(HKV):  # a loop, not unrolled: one copy of the key loop
             kept = tl.load(kept_ptr + e * HKV + hh).to(tl.int32)
             visible = tl.maximum(kept + reach, 0)
             lo = tl.maximum(g_lo - offset, 0)
