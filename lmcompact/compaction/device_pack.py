@@ -162,7 +162,7 @@ def pyramid_counts(
 
     def counts(ask: int) -> tuple[list[int], list[int]]:
         planned = policy.budgets_for(min(ask, num_tokens), num_tokens, layers)
-        clipped = [n if 1 <= n <= cap else (cap if n > cap else 1) for n in planned]
+        clipped = [max(1, min(n, cap)) for n in planned]  # _clip: in [1, cap]
         # a layer's heads keep equal counts: its cells' water level is ``reserved`` each
         return planned, [min(n, reserved) for n in clipped]
 

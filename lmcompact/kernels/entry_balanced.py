@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def _tile_line(kept_ptr, tail_ptr, seq_ptr, cu_q_ptr, e, b, pid_m, HKV, GROUP, BLOCK_M):
+def _tile_line(
+    kept_ptr, tail_ptr, seq_ptr, cu_q_ptr, e, b, pid_m, HKV, GROUP, BLOCK_M, BLOCK_N, NUM_SPLITS
+):
     """A query tile's shared lengths: its query run, the tail keys its last query sees past
     each head's kept ones (``reach``) and the heads' visible keys end to end (``total``)."""
     q_lo = tl.load(cu_q_ptr + b).to(tl.int32)
@@ -45,7 +47,9 @@ def _tile_line(kept_ptr, tail_ptr, seq_ptr, cu_q_ptr, e, b, pid_m, HKV, GROUP, B
     total = 0
     for hh in tl.static_range(HKV):
         total += tl.maximum(tl.load(kept_ptr + e * HKV + hh).to(tl.int32) + reach, 0)
-    return q_lo, q_len, tail, seq, reach, total
+    # each of the Hkv x S programs' share of that line, in whole key tiles
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(total, 1), HKV * NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return q_lo, q_len, tail, seq, reach, total, chunk
 
 
 @triton.jit
@@ -92,10 +96,20 @@ def attn_balanced_kernel(
     e = _row_entry(table_ptr, entry_ptr, b, stride_tb, True)
     n_rows = (tl.load(cu_q_ptr + b + 1).to(tl.int32) - tl.load(cu_q_ptr + b).to(tl.int32)) * GROUP
     if (pid_m * BLOCK_M < n_rows) & (e >= 0):
-        q_lo, q_len, tail, seq, reach, total = _tile_line(
-            kept_ptr, tail_ptr, seq_ptr, cu_q_ptr, e, b, pid_m, HKV, GROUP, BLOCK_M
+        q_lo, q_len, tail, seq, reach, total, chunk = _tile_line(
+            kept_ptr,
+            tail_ptr,
+            seq_ptr,
+            cu_q_ptr,
+            e,
+            b,
+            pid_m,
+            HKV,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
+            NUM_SPLITS,
         )
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(total, 1), HKV * NUM_SPLITS), BLOCK_N) * BLOCK_N
         g_lo = p * chunk
         g_hi = tl.minimum(g_lo + chunk, total)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -202,11 +216,21 @@ def merge_balanced_kernel(
     e = _row_entry(table_ptr, entry_ptr, b, stride_tb, True)
     n_rows = (tl.load(cu_q_ptr + b + 1).to(tl.int32) - tl.load(cu_q_ptr + b).to(tl.int32)) * GROUP
     if (pid_m * BLOCK_M < n_rows) & (e >= 0):
-        q_lo, _, _, _, reach, total = _tile_line(
-            kept_ptr, tail_ptr, seq_ptr, cu_q_ptr, e, b, pid_m, HKV, GROUP, BLOCK_M
+        q_lo, _, _, _, reach, _, chunk = _tile_line(
+            kept_ptr,
+            tail_ptr,
+            seq_ptr,
+            cu_q_ptr,
+            e,
+            b,
+            pid_m,
+            HKV,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
+            NUM_SPLITS,
         )
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(total, 1), HKV * NUM_SPLITS), BLOCK_N) * BLOCK_N
-        offset = total * 0
+        offset = reach * 0
         for hh in tl.static_range(HKV):
             if hh < h:
                 offset += tl.maximum(tl.load(kept_ptr + e * HKV + hh).to(tl.int32) + reach, 0)
@@ -279,7 +303,6 @@ def launch_balanced(
     slots = hkv * num_splits + hkv
     part = torch.empty(slots, total_q, group, d, dtype=torch.float32, device=queries.device)
     part_lse = torch.empty(slots, total_q, group, dtype=torch.float32, device=queries.device)
-    tables = lengths
     grid = (num_reqs * hkv, triton.cdiv(max_q_len * group, block_m), num_splits)
     attn_balanced_kernel[grid](
         queries,
@@ -287,12 +310,12 @@ def launch_balanced(
         value_pool,
         block_table,
         cu_seqlens_q,
-        tables.kept,
-        tables.tail_start,
+        lengths.kept,
+        lengths.tail_start,
         seq_lens,
-        tables.cells,
-        tables.base,
-        tables.entries,
+        lengths.cells,
+        lengths.base,
+        lengths.entries,
         part,
         part_lse,
         scale * LOG2E,
@@ -319,10 +342,10 @@ def launch_balanced(
         part_lse,
         out,
         block_table,
-        tables.entries,
+        lengths.entries,
         cu_seqlens_q,
-        tables.kept,
-        tables.tail_start,
+        lengths.kept,
+        lengths.tail_start,
         seq_lens,
         d,
         *part.stride()[:3],
